@@ -1,0 +1,35 @@
+# Every target builds its own .venv: torch first and pinned (so no CUDA build is pulled in),
+# then deepspeed and the project without build isolation (deepspeed's build imports torch).
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint typecheck clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.19.8,<0.20"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/gan.py
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lightning_multids tests examples
+	$(VENV)/bin/ruff format --check lightning_multids tests examples
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) lightning_logs outputs .pytest_cache

@@ -1,0 +1,153 @@
+"""Pure functions that turn the strategy's arguments into one DeepSpeed config per engine.
+
+Each engine's config is built in three layers, later ones winning key by key:
+
+1. :func:`base_config`: the settings that make DeepSpeed behave like plain PyTorch under Lightning
+   (no gradient clipping unless asked, accumulation owned by the training loop, any torch optimizer);
+2. the strategy's ``config`` (the default for every engine) and its ``stage``;
+3. the engine's entry in ``engines``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Union
+
+ConfigSource = Union[Mapping[str, Any], str, Path, None]
+"""A DeepSpeed config given as a dict, a path to a JSON file, or ``None`` for an empty one."""
+
+VALID_STAGES = (0, 1, 2, 3)
+
+# Precision flags of the Trainer and the DeepSpeed config sections they turn into.
+_PRECISION_SECTIONS: dict[str, dict[str, Any]] = {
+    "32-true": {},
+    "32": {},
+    "bf16-mixed": {"bf16": {"enabled": True}},
+    "bf16-true": {"bf16": {"enabled": True}},
+    "16-mixed": {"fp16": {"enabled": True}},
+}
+
+
+def load_config(source: ConfigSource, *, what: str) -> dict[str, Any]:
+    """Read a DeepSpeed config from a dict or a JSON file and return a private deep copy.
+
+    Args:
+        source: a mapping, a path to a JSON file, or ``None``.
+        what: how to name this config in an error, e.g. ``"the engine 'generator'"``.
+
+    Raises:
+        ValueError: the file is missing, is not JSON, or does not hold a JSON object.
+    """
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        return copy.deepcopy(dict(source))
+    path = Path(source)
+    if not path.is_file():
+        raise ValueError(
+            f"The DeepSpeed config for {what} points to {str(path)!r}, which is not a file. "
+            "Pass an existing JSON file or a dict."
+        )
+    try:
+        loaded = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"The DeepSpeed config for {what} in {str(path)!r} is not valid JSON ({err}). "
+            "Fix the file, or pass the config as a dict."
+        ) from err
+    if not isinstance(loaded, dict):
+        raise ValueError(
+            f"The DeepSpeed config for {what} in {str(path)!r} holds a {type(loaded).__name__}, "
+            "not a JSON object. Write the config as an object: {\"zero_optimization\": {...}}."
+        )
+    return loaded
+
+
+def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Return ``base`` updated by ``override``, recursing into nested dicts; neither input changes."""
+    merged = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def validate_stage(stage: Any, *, what: str) -> int:
+    """Return ``stage`` if it is a ZeRO stage (0-3), else raise a ValueError naming ``what``."""
+    if isinstance(stage, bool) or stage not in VALID_STAGES:
+        raise ValueError(
+            f"The ZeRO stage of {what} is {stage!r}; DeepSpeed has stages 0, 1, 2 and 3. "
+            'Set `stage=` or `"zero_optimization": {"stage": N}` to one of them.'
+        )
+    return int(stage)
+
+
+def base_config(micro_batch_size: int) -> dict[str, Any]:
+    """Settings every engine starts from, chosen so DeepSpeed matches plain PyTorch under Lightning.
+
+    * ``gradient_clipping: 0``: DeepSpeed's default is 1.0, which silently clips every step;
+      Lightning and PyTorch clip only when asked.
+    * ``gradient_accumulation_steps: 1`` and ``managed_gradient_accumulation: false``: the training
+      loop owns accumulation (Lightning's ``accumulate_grad_batches`` or N ``manual_backward`` calls
+      before ``opt.step()``); a backward only accumulates, ``step()`` is the boundary.
+    * ``zero_allow_untested_optimizer``: any ``torch.optim`` optimizer from ``configure_optimizers``.
+    * ``train_micro_batch_size_per_gpu``: bookkeeping only (throughput logs); it never scales a gradient.
+    """
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": 0.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def precision_section(precision: str) -> dict[str, Any]:
+    """Map a Trainer ``precision`` flag to the DeepSpeed config section that implements it."""
+    try:
+        return copy.deepcopy(_PRECISION_SECTIONS[str(precision)])
+    except KeyError:
+        supported = ", ".join(repr(p) for p in _PRECISION_SECTIONS)
+        raise ValueError(
+            f"MultiDeepSpeedStrategy does not support `Trainer(precision={precision!r})`. "
+            f"Use one of {supported}."
+        ) from None
+
+
+def engine_config(
+    name: str,
+    *,
+    stage: int,
+    default: Mapping[str, Any],
+    override: Mapping[str, Any],
+    precision: str = "32-true",
+    micro_batch_size: int = 1,
+) -> dict[str, Any]:
+    """Build the full DeepSpeed config of the engine ``name``.
+
+    Raises:
+        ValueError: the resulting stage is not 0-3, or the config asks DeepSpeed to own gradient
+            accumulation (``gradient_accumulation_steps`` other than 1).
+    """
+    what = f"the engine {name!r}"
+    config = merge(base_config(micro_batch_size), precision_section(precision))
+    config = merge(config, {"zero_optimization": {"stage": stage}})
+    config = merge(config, default)
+    config = merge(config, override)
+    validate_stage(config["zero_optimization"].get("stage", 0), what=what)
+    steps = config.get("gradient_accumulation_steps", 1)
+    if steps != 1:
+        raise ValueError(
+            f"The DeepSpeed config for {what} sets gradient_accumulation_steps={steps}. Under Lightning the "
+            "training loop owns accumulation: remove the setting and use `Trainer(accumulate_grad_batches=N)`, "
+            "or call `self.manual_backward(loss / N)` N times before `opt.step()`."
+        )
+    config.pop("train_batch_size", None)
+    return config

@@ -1,0 +1,155 @@
+"""Find which submodule each optimizer trains and build one DeepSpeed engine per submodule.
+
+An engine is keyed by the attribute name of its submodule on the LightningModule (``"generator"``).
+The submodule stays where it is: ``self.generator`` is still the user's module, with all its
+methods and attributes, and ``engine.module is self.generator``. DeepSpeed converts it in place
+(device, dtype, ZeRO-3 partitioning, ZeRO-3 gather/release hooks); :func:`build_engine` adds one
+forward pre-hook that casts floating-point inputs to the engine's dtype (bf16/fp16 engines).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed import DeepSpeedEngine
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.optim import Optimizer
+
+
+def parameter_owners(module: nn.Module) -> dict[int, str]:
+    """Map ``id(parameter)`` to the name of the direct child of ``module`` that holds it.
+
+    Parameters held by ``module`` itself (not by a child) are left out.
+    """
+    owners: dict[int, str] = {}
+    for name, child in module.named_children():
+        for param in child.parameters():
+            owners.setdefault(id(param), name)
+    return owners
+
+
+def match_optimizers(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, int]:
+    """Return ``submodule name -> index of its optimizer`` for the optimizers of ``module``.
+
+    Raises:
+        ValueError: an optimizer holds parameters of several submodules, or of the LightningModule
+            itself; a parameter is in two optimizers; two optimizers train one submodule.
+    """
+    owners = parameter_owners(module)
+    seen: dict[int, int] = {}
+    matched: dict[str, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        names: dict[str, None] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in seen and seen[id(param)] != index:
+                    raise ValueError(
+                        f"A parameter of {owners.get(id(param), 'the LightningModule')!r} is in optimizer "
+                        f"{seen[id(param)]} and optimizer {index}. Each parameter can be trained by one "
+                        "optimizer only: remove it from one of them in `configure_optimizers`."
+                    )
+                seen[id(param)] = index
+                names.setdefault(_owner_of(param, owners, index))
+        matched.update(_one_submodule(names, index, matched))
+    return matched
+
+
+def _owner_of(param: torch.Tensor, owners: Mapping[int, str], index: int) -> str:
+    owner = owners.get(id(param))
+    if owner is None:
+        raise ValueError(
+            f"Optimizer {index} holds a parameter that belongs to the LightningModule itself, not to a "
+            "submodule. MultiDeepSpeedStrategy builds one engine per submodule: move the parameter into a "
+            "submodule (e.g. an `nn.Module` attribute) and optimize that."
+        )
+    return owner
+
+
+def _one_submodule(names: Mapping[str, None], index: int, matched: Mapping[str, int]) -> dict[str, int]:
+    if not names:
+        raise ValueError(f"Optimizer {index} holds no parameters. Give it the parameters of one submodule.")
+    if len(names) > 1:
+        listed = " and ".join(repr(n) for n in names)
+        raise ValueError(
+            f"Optimizer {index} holds parameters of {listed}. MultiDeepSpeedStrategy gives each submodule its "
+            "own DeepSpeed engine and optimizer: return one optimizer per submodule from "
+            "`configure_optimizers`, or put the parts in one parent submodule."
+        )
+    (name,) = names
+    if name in matched:
+        raise ValueError(
+            f"Optimizers {matched[name]} and {index} both train {name!r}. A DeepSpeed engine has one "
+            "optimizer: use one optimizer with several parameter groups for this submodule."
+        )
+    return {name: index}
+
+
+def check_engine_names(module: nn.Module, names: Iterable[str]) -> None:
+    """Raise a ValueError for an ``engines`` key that is not a direct submodule of ``module``."""
+    children = dict(module.named_children())
+    for name in names:
+        if name not in children:
+            available = ", ".join(repr(c) for c in children) or "none"
+            raise ValueError(
+                f"`engines` has an entry for {name!r}, but {type(module).__name__} has no submodule of that "
+                f"name. Submodules: {available}. Key each entry by the attribute name of a submodule."
+            )
+
+
+def build_engine(
+    module: nn.Module,
+    config: dict[str, Any],
+    optimizer: Optimizer | None = None,
+    scheduler: Any = None,
+) -> DeepSpeedEngine:
+    """Wrap ``module`` in a DeepSpeed engine with ``optimizer`` and ``scheduler`` (owned by the engine).
+
+    The engine steps ``scheduler`` in ``engine.step()``, once per optimizer step.
+    """
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=config,
+        dist_init_required=False,
+    )
+    dtype = _engine_dtype(engine)
+    if dtype != torch.float32:
+        module.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+    return engine
+
+
+def _engine_dtype(engine: DeepSpeedEngine) -> torch.dtype:
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.float32
+
+
+def _cast_inputs(dtype: torch.dtype) -> Any:
+    """A forward pre-hook that casts floating-point tensors among the inputs to ``dtype``."""
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return apply_to_collection(args, torch.Tensor, cast), apply_to_collection(kwargs, torch.Tensor, cast)
+
+    return hook
+
+
+def scheduler_for(configs: Sequence[LRSchedulerConfig], optimizer: Optimizer) -> LRSchedulerConfig | None:
+    """Return the scheduler config whose scheduler drives ``optimizer``, if any."""
+    found = [config for config in configs if config.scheduler.optimizer is optimizer]
+    if len(found) > 1:
+        raise ValueError(
+            f"{len(found)} learning-rate schedulers drive the same optimizer. A DeepSpeed engine steps one "
+            "scheduler: combine them, e.g. with `torch.optim.lr_scheduler.SequentialLR`."
+        )
+    return found[0] if found else None

@@ -1,0 +1,151 @@
+"""The optimizer Lightning sees for each engine: ``self.optimizers()`` returns one per engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from typing import Any
+
+import torch
+from deepspeed import DeepSpeedEngine
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+
+from lightning_multids.sync import clear_gradients
+
+
+class _GroupView(MutableMapping):
+    """A parameter group of the engine's optimizer whose ``"params"`` are the module's own parameters.
+
+    DeepSpeed replaces ``param_groups[i]["params"]`` with flat fp32 partitions (ZeRO-1/2, bf16) or
+    empties it (ZeRO-3). Lightning's ``toggle_optimizer`` and user code expect the module's
+    parameters there; every other key (``lr``, ``momentum``...) reads and writes the live group.
+    """
+
+    def __init__(self, group: dict[str, Any], params: list[torch.nn.Parameter]) -> None:
+        self._group = group
+        self._params = params
+
+    def __getitem__(self, key: str) -> Any:
+        return self._params if key == "params" else self._group[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise ValueError(
+                "The parameters of a DeepSpeed engine's optimizer are fixed when the engine is built; "
+                "choose them in `configure_optimizers`."
+            )
+        self._group[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._group[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._group)
+
+    def __len__(self) -> int:
+        return len(self._group)
+
+
+class EngineOptimizer(Optimizer):
+    """Steps and clears one DeepSpeed engine; what ``self.optimizers()`` returns under the strategy.
+
+    * ``step()`` runs ``engine.step()``: the optimizer, the engine's learning-rate scheduler, and
+      DeepSpeed's own gradient reset (DeepSpeed clears gradients after every step).
+    * ``zero_grad()`` clears the module's gradients and any gradient DeepSpeed has already reduced
+      into its partitions since the last step.
+    * ``param_groups`` show the module's own parameters, so ``toggle_optimizer`` works.
+
+    Args:
+        name: the engine's name (the submodule's attribute name).
+        engine: the DeepSpeed engine.
+        optimizer: the optimizer from ``configure_optimizers`` the engine was built with.
+        params: that optimizer's parameters per group, recorded before DeepSpeed replaced them.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        engine: DeepSpeedEngine,
+        optimizer: Optimizer,
+        params: Sequence[list[torch.nn.Parameter]],
+    ) -> None:
+        # Optimizer.__init__ is not called: the state lives in the engine's optimizer.
+        self.name = name
+        self.engine = engine
+        self.optimizer = optimizer
+        self._params = list(params)
+        self.defaults = optimizer.defaults
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+        self.has_gradients = False
+        """Whether a backward reached the engine since its last step or ``zero_grad``."""
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[MutableMapping]:
+        """The engine optimizer's parameter groups, holding the module's parameters."""
+        return [_GroupView(g, p) for g, p in zip(self.optimizer.param_groups, self._params)]
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """The optimizer state as DeepSpeed keeps it (per partition under ZeRO)."""
+        return self.optimizer.state
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Run ``closure`` if given (automatic optimization), then step the engine.
+
+        Without a gradient since the last step or ``zero_grad`` (no backward reached the engine, or
+        ``training_step`` returned ``None``) nothing is stepped, as ``torch.optim`` skips parameters
+        without gradients; DeepSpeed would otherwise apply momentum to zero gradients.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.has_gradients:
+            rank_zero_warn(
+                f"`opt.step()` of engine {self.name!r} ran with no gradient since its last step or `zero_grad()`: "
+                "the step is skipped. Call `self.manual_backward(loss)` on a loss that reaches this engine first."
+            )
+            return loss
+        self.engine.step()
+        self.has_gradients = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear this engine's gradients, local and already reduced."""
+        clear_gradients(self.engine)
+        self.has_gradients = False
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer(engine={self.name!r}, optimizer={type(self.optimizer).__name__})"
+
+
+class EngineScheduler:
+    """What ``self.lr_schedulers()`` returns for a scheduler its engine steps.
+
+    In manual optimization the engine steps its scheduler in ``opt.step()``; a second
+    ``sch.step()`` from the user would advance it twice per step, so it raises instead.
+    Everything else (``get_last_lr()``, ``state_dict()``, ``optimizer``) reads the real scheduler.
+
+    Args:
+        name: the engine's name.
+        scheduler: the scheduler from ``configure_optimizers``.
+    """
+
+    def __init__(self, name: str, scheduler: Any) -> None:
+        self.name = name
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Refuse: ``opt.step()`` of this engine already stepped the scheduler."""
+        raise ValueError(
+            f"The learning-rate scheduler of engine {self.name!r} is stepped by its optimizer: `opt.step()` "
+            "runs DeepSpeed's `engine.step()`, which steps the optimizer and then the scheduler. Remove the "
+            "`lr_scheduler.step()` call from your LightningModule."
+        )
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.__dict__["scheduler"], item)
+
+    def __repr__(self) -> str:
+        return f"EngineScheduler(engine={self.name!r}, scheduler={type(self.scheduler).__name__})"

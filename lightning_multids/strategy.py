@@ -1,0 +1,213 @@
+"""``MultiDeepSpeedStrategy``: Lightning hooks only; the work lives in the modules they call."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import deepspeed
+import lightning.pytorch as pl
+import torch
+from deepspeed import DeepSpeedEngine
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_multids import backward as routing
+from lightning_multids.config import ConfigSource, load_config, validate_stage
+from lightning_multids.engines import check_engine_names
+from lightning_multids.precision import EnginePrecision
+from lightning_multids.engine_set import EngineSet, build_engines
+
+log = logging.getLogger(__name__)
+
+
+class MultiDeepSpeedStrategy(DDPStrategy):
+    """Give each submodule of a LightningModule its own DeepSpeed engine, ZeRO stage, optimizer and scheduler.
+
+    Each optimizer from ``configure_optimizers`` is matched to the submodule whose parameters it holds,
+    and that submodule gets a DeepSpeed engine built with it. With several optimizers the module runs
+    manual optimization (switched on here if the module did not); ``self.manual_backward(loss)`` runs
+    the backward prologue and epilogue of every engine ``loss`` reaches, once each.
+
+    Args:
+        stage: the default ZeRO stage (0-3) of every engine.
+        config: the default DeepSpeed config of every engine: a dict or a path to a JSON file.
+        engines: per-submodule overrides merged over ``config``, keyed by the submodule's attribute name
+            on the LightningModule, each a dict or a path to a JSON file,
+            e.g. ``{"discriminator": {"zero_optimization": {"stage": 3}}}``.
+        accelerator: the accelerator (set by the Trainer).
+        parallel_devices: the devices of this node (set by the Trainer).
+        cluster_environment: how processes find each other (set by the Trainer, or e.g. ``SLURMEnvironment()``).
+        checkpoint_io: the checkpoint IO plugin.
+        precision_plugin: ignored beyond its precision flag: each engine runs its precision from its config.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
+        timeout: the timeout of collective operations.
+        start_method: how Lightning starts the other processes (``"popen"`` re-runs the script per rank).
+    """
+
+    strategy_name = "multi_deepspeed"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        config: dict[str, Any] | str | None = None,
+        engines: dict[str, dict[str, Any] | str] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: str = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self.stage = validate_stage(stage, what="MultiDeepSpeedStrategy(stage=...)")
+        self.config = load_config(config, what="every engine (`config=`)")
+        self.engine_overrides = {
+            name: load_config(source, what=f"the engine {name!r}") for name, source in (engines or {}).items()
+        }
+        self._engine_set = EngineSet()
+
+    @property
+    def engines(self) -> dict[str, DeepSpeedEngine]:
+        """The DeepSpeed engines after setup, keyed by submodule name, in optimizer order."""
+        return dict(self._engine_set.engines)
+
+    # ---- precision: Lightning hands us its plugin; keep only the flag --------------------------------
+
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> Precision:
+        """The strategy's precision plugin (an :class:`EnginePrecision`)."""
+        return self._precision_plugin if self._precision_plugin is not None else EnginePrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        flag = getattr(plugin, "precision", "32-true") if plugin is not None else "32-true"
+        self._precision_plugin = EnginePrecision(str(flag))
+
+    # ---- set-up ---------------------------------------------------------------------------------------
+
+    @override
+    def setup_distributed(self) -> None:
+        """Start torch.distributed as DDP does, then let DeepSpeed's comm layer use the same group."""
+        super().setup_distributed()
+        deepspeed.init_distributed(dist_backend=self._process_group_backend, auto_mpi_discovery=False, verbose=False)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Move the module to the device and, when fitting, build one engine per optimizer."""
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        module = self.lightning_module
+        assert module is not None
+        check_engine_names(module, self.engine_overrides)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._engine_set = build_engines(
+                trainer,
+                module,
+                stage=self.stage,
+                default=self._default_config(trainer),
+                overrides=self.engine_overrides,
+                precision=str(self.precision_plugin.precision),
+            )
+            self.optimizers = self._engine_set.optimizers
+            self.lr_scheduler_configs = self._engine_set.scheduler_configs
+        self.setup_precision_plugin()
+
+    def _default_config(self, trainer: pl.Trainer) -> dict[str, Any]:
+        clip = trainer.gradient_clip_val
+        if not clip:
+            return self.config
+        if trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"`Trainer(gradient_clip_algorithm={trainer.gradient_clip_algorithm!r})` is not available: DeepSpeed "
+                "clips by global norm. Use `gradient_clip_algorithm='norm'`."
+            )
+        return {"gradient_clipping": float(clip), **self.config}
+
+    @override
+    def model_to_device(self) -> None:
+        """Move the LightningModule (its plain submodules included) to this process's device."""
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ---- training ------------------------------------------------------------------------------------
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Backpropagate ``closure_loss`` inside the prologue/epilogue of every engine it reaches."""
+        engines = self._engine_set.reached_by(closure_loss)
+        with routing.engines_backward(engines):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``training_step``; in manual optimization, refuse a returned loss that nothing backpropagated."""
+        before = self._engine_set.backward_calls
+        output = super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            self._engine_set.check_loss_was_used(output, before)
+        return output
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Step one engine through the precision plugin (runs the closure and the optimizer hooks)."""
+        model = model or self.lightning_module
+        return self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's full state dict, gathering ZeRO-3 partitions; every rank must call it."""
+        return self._engine_set.full_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Tensor]:
+        """Optimizer state is kept by each engine's own checkpoint, not in Lightning's file."""
+        rank_zero_warn(
+            "MultiDeepSpeedStrategy saves the module's weights in Lightning checkpoints, not the engines' optimizer "
+            "state (partitioned per rank under ZeRO). Resuming training from such a file restarts the optimizers.",
+        )
+        return {}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Leave the engines' optimizer state as built: Lightning's file holds none (see :meth:`optimizer_state`)."""
+        rank_zero_info("MultiDeepSpeedStrategy: the checkpoint holds no optimizer state; optimizers start fresh.")
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the strategy as ``strategy="multi_deepspeed"``."""
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="One DeepSpeed engine per submodule, with a manual multi-optimizer loop",
+        )

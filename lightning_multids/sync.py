@@ -1,0 +1,45 @@
+"""Gradient state of an engine between backward and step: clearing it, per ZeRO optimizer.
+
+Engines run with ``managed_gradient_accumulation: false`` (see :mod:`lightning_multids.config`):
+a backward accumulates, ``engine.step()`` is the boundary. What a backward leaves behind depends
+on the optimizer DeepSpeed chose:
+
+* stage 0, fp32: ``param.grad`` (reduced in ``step()``);
+* stage 0, bf16 (``BF16_Optimizer``): fp32 gradient accumulators next to ``param.grad``;
+* stage 1/2 (``DeepSpeedZeroOptimizer``): ``param.grad``/``grad_accum`` and, at stage 2, gradients
+  already reduce-scattered into this rank's partition (``all_grad_tensors``, ``averaged_gradients``);
+* stage 3 (``DeepSpeedZeroOptimizer_Stage3``): reduced partitions that a backward overwrites when
+  ``micro_step_id`` is 0 and adds to otherwise.
+
+``zero_grad()`` of DeepSpeed's ZeRO-1/2 optimizer only clears ``param.grad``; gradients that a
+backward already reduced into the partition survive it and would leak into the next step (the GAN
+generator's backward puts gradients on the discriminator that the user then clears).
+:func:`clear_gradients` resets all of it, to the state ``step()`` leaves.
+"""
+
+from __future__ import annotations
+
+from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
+
+
+def clear_gradients(engine: DeepSpeedEngine) -> None:
+    """Clear every gradient ``engine`` holds for its next step: local, accumulated and reduced."""
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        _clear_zero_1_2(optimizer)
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        optimizer.zero_grad(set_to_none=True)  # also sets micro_step_id = 0: the next reduction overwrites
+    elif optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)  # torch optimizer, or BF16/FP16_Optimizer: lp and hp grads
+    engine.zero_grad()  # param.grad of every module parameter
+
+
+def _clear_zero_1_2(optimizer: DeepSpeedZeroOptimizer) -> None:
+    optimizer._release_preflattened_grad_buffers()
+    for index in range(len(optimizer.bit16_groups)):
+        optimizer.averaged_gradients[index] = None
+        optimizer.all_grad_tensors[index] = None
+    optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
+    optimizer.zero_grad(set_to_none=True)

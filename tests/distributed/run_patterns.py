@@ -1,0 +1,80 @@
+"""Per-rank script: train the GAN patterns under MultiDeepSpeedStrategy and save rank 0's weights.
+
+Usage: run_patterns.py OUT STAGE OPTIMIZER STEPS PRECISION PATTERN [PATTERN ...]
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+from lightning_multids import MultiDeepSpeedStrategy
+from tests import patterns
+
+warnings.filterwarnings("ignore")
+
+
+class PatternModule(pl.LightningModule):
+    """A GAN-shaped module whose training_step is one of ``patterns.STEPS``; no manual flag set."""
+
+    def __init__(self, pattern: str, optimizer: str, steps: int) -> None:
+        super().__init__()
+        self.pattern, self.optimizer_name, self.steps = pattern, optimizer, steps
+        self.generator, self.discriminator = patterns.make_modules()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        toggle = self.toggled_optimizer if self.pattern == "gan_toggle" else None
+        patterns.STEPS[self.pattern](
+            self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward, toggle
+        )
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            patterns.make_optimizer(self.optimizer_name, self.generator.parameters()),
+            patterns.make_optimizer(self.optimizer_name, self.discriminator.parameters()),
+        ]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = patterns.make_batches(self.steps)
+        sampler = torch.utils.data.DistributedSampler(
+            data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=False
+        )
+        return torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+
+
+def backward_state(engine) -> dict[str, int]:
+    state = {"running_backward": int(engine._running_engine_backward_count)}
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        state["depth"] = int(engine.optimizer._backward_active_depth)
+    return state
+
+
+def main() -> None:
+    out, stage, optimizer, steps, precision, *names = sys.argv[1:]
+    results = {}
+    for pattern in names:
+        module = PatternModule(pattern, optimizer, int(steps))
+        strategy = MultiDeepSpeedStrategy(stage=int(stage))
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_epochs=1,
+            logger=False, enable_checkpointing=False, use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(module)
+        state = strategy.lightning_module_state_dict()  # every rank: gathers ZeRO-3 partitions
+        results[pattern] = {
+            "weights": {k: v.float().clone() for k, v in state.items()},
+            "engines": {name: backward_state(e) for name, e in strategy.engines.items()},
+            "automatic": module.automatic_optimization,
+            "dtype": str(next(module.generator.parameters()).dtype),
+        }
+    if trainer.global_rank == 0:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main()

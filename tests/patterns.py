@@ -1,0 +1,158 @@
+"""The training patterns the strategy must get right, written once for Lightning and for plain PyTorch.
+
+Each pattern is a function of the two modules, a batch, two optimizers, a ``backward`` callable and a
+``toggle`` context factory; the Lightning module passes ``self.manual_backward`` and
+``self.toggled_optimizer``, the reference passes ``loss.backward`` and a ``requires_grad`` switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+PATTERNS = ("gan", "gan_zero_first", "gan_toggle", "shared", "accumulate")
+
+Backward = Callable[[torch.Tensor], None]
+Toggle = Callable[[Any], contextlib.AbstractContextManager]
+
+
+def make_modules(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """A small generator (4 -> 6) and discriminator (6 -> 1), the same for a given seed."""
+    torch.manual_seed(seed)
+    generator = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 6))
+    discriminator = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    return generator, discriminator
+
+
+def make_batches(steps: int, global_batch: int = 8, seed: int = 123) -> torch.Tensor:
+    """``steps * global_batch`` samples of (real[6], z[4]) concatenated in one tensor per sample."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(steps * global_batch, 10, generator=generator)
+
+
+def split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch[:, :6], batch[:, 6:]
+
+
+def gan(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any, backward: Backward,
+        toggle: Toggle | None = None) -> None:
+    """D step with D called twice (real, fake.detach()); G step with the loss through D.
+
+    Without toggling, the G step leaves gradients on D that D's next backward accumulates (no zero_grad
+    before it), exactly as in PyTorch.
+    """
+    real, z = split(batch)
+    fake = G(z)
+    with toggle(opt_d) if toggle else contextlib.nullcontext():
+        d_loss = D(real).pow(2).mean() + (D(fake.detach()) - 1).pow(2).mean()
+        backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+    with toggle(opt_g) if toggle else contextlib.nullcontext():
+        g_loss = (D(G(z)) - 0.5).pow(2).mean()
+        backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+
+
+def gan_zero_first(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any,
+                   backward: Backward, toggle: Toggle | None = None) -> None:
+    """zero_grad before each backward: the gradients G's backward left on D must be discarded."""
+    real, z = split(batch)
+    opt_d.zero_grad()
+    d_loss = D(real).pow(2).mean() + (D(G(z).detach()) - 1).pow(2).mean()
+    backward(d_loss)
+    opt_d.step()
+    opt_g.zero_grad()
+    g_loss = (D(G(z)) - 0.5).pow(2).mean()
+    backward(g_loss)
+    opt_g.step()
+
+
+def gan_toggle(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any, backward: Backward,
+               toggle: Toggle | None = None) -> None:
+    assert toggle is not None
+    gan(G, D, batch, opt_g, opt_d, backward, toggle)
+
+
+def shared(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any, backward: Backward,
+           toggle: Toggle | None = None) -> None:
+    """One loss over both engines, one backward, both step."""
+    real, z = split(batch)
+    loss = (D(G(z)) - 0.3).pow(2).mean() + D(real).pow(2).mean()
+    backward(loss)
+    opt_g.step()
+    opt_d.step()
+    opt_g.zero_grad()
+    opt_d.zero_grad()
+
+
+def accumulate(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any, backward: Backward,
+               toggle: Toggle | None = None, micro_batches: int = 2) -> None:
+    """User-managed accumulation through chained engines: loss / N, N backwards, then both step."""
+    real, z = split(batch)
+    for i in range(micro_batches):
+        loss = (D(G(z[i::micro_batches])) - 0.3).pow(2).mean() + D(real[i::micro_batches]).pow(2).mean()
+        backward(loss / micro_batches)
+    opt_g.step()
+    opt_d.step()
+    opt_g.zero_grad()
+    opt_d.zero_grad()
+
+
+STEPS: dict[str, Callable[..., None]] = {
+    "gan": gan,
+    "gan_zero_first": gan_zero_first,
+    "gan_toggle": gan_toggle,
+    "shared": shared,
+    "accumulate": accumulate,
+}
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.2)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    raise ValueError(name)
+
+
+@contextlib.contextmanager
+def _requires_grad_only(trained: nn.Module, others: list[nn.Module]) -> Iterator[None]:
+    """Plain-PyTorch toggle: gradients on for ``trained`` only, restored afterwards."""
+    saved = {p: p.requires_grad for m in others for p in m.parameters()}
+    for p in saved:
+        p.requires_grad_(False)
+    for p in trained.parameters():
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p, flag in saved.items():
+            p.requires_grad_(flag)
+
+
+def reference(pattern: str, optimizer: str, steps: int, global_batch: int = 8) -> dict[str, torch.Tensor]:
+    """Train ``pattern`` in one process with plain PyTorch on the global batches; return the weights."""
+    G, D = make_modules()
+    opt_g, opt_d = make_optimizer(optimizer, G.parameters()), make_optimizer(optimizer, D.parameters())
+    owner = {id(opt_g): G, id(opt_d): D}
+
+    def toggle(opt: Any) -> contextlib.AbstractContextManager:
+        return _requires_grad_only(owner[id(opt)], [G, D])
+
+    data = make_batches(steps, global_batch)
+    for step in range(steps):
+        batch = data[step * global_batch:(step + 1) * global_batch]
+        STEPS[pattern](G, D, batch, opt_g, opt_d, lambda loss: loss.backward(), toggle if pattern == "gan_toggle" else None)
+    return weights(G, D)
+
+
+def weights(G: nn.Module, D: nn.Module) -> dict[str, torch.Tensor]:
+    out = {f"generator.{k}": v.detach().float().clone() for k, v in G.state_dict().items()}
+    out.update({f"discriminator.{k}": v.detach().float().clone() for k, v in D.state_dict().items()})
+    return out
