@@ -21,7 +21,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/gan.py
 
-test: $(STAMP)
+test: lint typecheck
 	$(PY) -m pytest tests
 
 lint: $(STAMP)

@@ -29,9 +29,8 @@ reduce-scatter at stage 2/3) and the ZeRO-3 module hooks that gather and release
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from typing import Iterator
 
 import torch
 from deepspeed import DeepSpeedEngine

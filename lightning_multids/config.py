@@ -14,9 +14,9 @@ import copy
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
-ConfigSource = Union[Mapping[str, Any], str, Path, None]
+ConfigSource = Mapping[str, Any] | str | Path | None
 """A DeepSpeed config given as a dict, a path to a JSON file, or ``None`` for an empty one."""
 
 VALID_STAGES = (0, 1, 2, 3)
@@ -61,7 +61,7 @@ def load_config(source: ConfigSource, *, what: str) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ValueError(
             f"The DeepSpeed config for {what} in {str(path)!r} holds a {type(loaded).__name__}, "
-            "not a JSON object. Write the config as an object: {\"zero_optimization\": {...}}."
+            'not a JSON object. Write the config as an object: {"zero_optimization": {...}}.'
         )
     return loaded
 
@@ -116,8 +116,7 @@ def precision_section(precision: str) -> dict[str, Any]:
     except KeyError:
         supported = ", ".join(repr(p) for p in _PRECISION_SECTIONS)
         raise ValueError(
-            f"MultiDeepSpeedStrategy does not support `Trainer(precision={precision!r})`. "
-            f"Use one of {supported}."
+            f"MultiDeepSpeedStrategy does not support `Trainer(precision={precision!r})`. Use one of {supported}."
         ) from None
 
 

@@ -80,13 +80,13 @@ class EngineOptimizer(Optimizer):
         self.has_gradients = False
         """Whether a backward reached the engine since its last step or ``zero_grad``."""
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[MutableMapping]:
+    @property
+    def param_groups(self) -> list[MutableMapping]:  # type: ignore[override]
         """The engine optimizer's parameter groups, holding the module's parameters."""
-        return [_GroupView(g, p) for g, p in zip(self.optimizer.param_groups, self._params)]
+        return [_GroupView(g, p) for g, p in zip(self.optimizer.param_groups, self._params, strict=True)]
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         """The optimizer state as DeepSpeed keeps it (per partition under ZeRO)."""
         return self.optimizer.state
 

@@ -47,6 +47,6 @@ class EnginePrecision(Precision):
         raise ValueError(
             f"Clipping the gradients of engine {optimizer.name!r} by {algorithm.value} {clip_val} is not possible "
             f"here: DeepSpeed clips by norm in `step()`, and this engine clips at "
-            f"{optimizer.engine.gradient_clipping()}. Set `\"gradient_clipping\": {clip_val}` in its DeepSpeed "
+            f'{optimizer.engine.gradient_clipping()}. Set `"gradient_clipping": {clip_val}` in its DeepSpeed '
             "config (or `Trainer(gradient_clip_val=...)` for every engine) and remove the call."
         )

@@ -18,13 +18,14 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_multids import backward as routing
-from lightning_multids.config import ConfigSource, load_config, validate_stage
+from lightning_multids.config import load_config, validate_stage
+from lightning_multids.engine_set import EngineSet, build_engines
 from lightning_multids.engines import check_engine_names
 from lightning_multids.precision import EnginePrecision
-from lightning_multids.engine_set import EngineSet, build_engines
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,10 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        flag = getattr(plugin, "precision", "32-true") if plugin is not None else "32-true"
-        self._precision_plugin = EnginePrecision(str(flag))
+        # None stays None, so that Lightning's connector still hands us the plugin for the Trainer's flag.
+        if plugin is not None and not isinstance(plugin, EnginePrecision):
+            plugin = EnginePrecision(str(getattr(plugin, "precision", "32-true")))
+        self._precision_plugin = plugin
 
     # ---- set-up ---------------------------------------------------------------------------------------
 
@@ -129,7 +132,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 overrides=self.engine_overrides,
                 precision=str(self.precision_plugin.precision),
             )
-            self.optimizers = self._engine_set.optimizers
+            self.optimizers = list[Optimizer](self._engine_set.optimizers)
             self.lr_scheduler_configs = self._engine_set.scheduler_configs
         self.setup_precision_plugin()
 
@@ -137,9 +140,10 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         clip = trainer.gradient_clip_val
         if not clip:
             return self.config
-        if trainer.gradient_clip_algorithm not in (None, "norm"):
+        algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm or "norm"))
+        if algorithm != "norm":
             raise ValueError(
-                f"`Trainer(gradient_clip_algorithm={trainer.gradient_clip_algorithm!r})` is not available: DeepSpeed "
+                f"`Trainer(gradient_clip_algorithm={algorithm!r})` is not available: DeepSpeed "
                 "clips by global norm. Use `gradient_clip_algorithm='norm'`."
             )
         return {"gradient_clipping": float(clip), **self.config}
@@ -178,14 +182,16 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         """Step one engine through the precision plugin (runs the closure and the optimizer hooks)."""
-        model = model or self.lightning_module
-        return self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        module = model if isinstance(model, pl.LightningModule) else self.lightning_module
+        assert module is not None
+        return self.precision_plugin.optimizer_step(optimizer, model=module, closure=closure, **kwargs)
 
     # ---- checkpoints ---------------------------------------------------------------------------------
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's full state dict, gathering ZeRO-3 partitions; every rank must call it."""
+        assert self.lightning_module is not None
         return self._engine_set.full_state_dict(self.lightning_module)
 
     @override

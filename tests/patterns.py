@@ -38,8 +38,15 @@ def split(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :6], batch[:, 6:]
 
 
-def gan(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any, backward: Backward,
-        toggle: Toggle | None = None) -> None:
+def gan(
+    G: nn.Module,
+    D: nn.Module,
+    batch: torch.Tensor,
+    opt_g: Any,
+    opt_d: Any,
+    backward: Backward,
+    toggle: Toggle | None = None,
+) -> None:
     """D step with D called twice (real, fake.detach()); G step with the loss through D.
 
     Without toggling, the G step leaves gradients on D that D's next backward accumulates (no zero_grad
@@ -59,8 +66,15 @@ def gan(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any,
         opt_g.zero_grad()
 
 
-def gan_zero_first(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any,
-                   backward: Backward, toggle: Toggle | None = None) -> None:
+def gan_zero_first(
+    G: nn.Module,
+    D: nn.Module,
+    batch: torch.Tensor,
+    opt_g: Any,
+    opt_d: Any,
+    backward: Backward,
+    toggle: Toggle | None = None,
+) -> None:
     """zero_grad before each backward: the gradients G's backward left on D must be discarded."""
     real, z = split(batch)
     opt_d.zero_grad()
@@ -73,14 +87,28 @@ def gan_zero_first(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, 
     opt_g.step()
 
 
-def gan_toggle(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any, backward: Backward,
-               toggle: Toggle | None = None) -> None:
+def gan_toggle(
+    G: nn.Module,
+    D: nn.Module,
+    batch: torch.Tensor,
+    opt_g: Any,
+    opt_d: Any,
+    backward: Backward,
+    toggle: Toggle | None = None,
+) -> None:
     assert toggle is not None
     gan(G, D, batch, opt_g, opt_d, backward, toggle)
 
 
-def shared(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any, backward: Backward,
-           toggle: Toggle | None = None) -> None:
+def shared(
+    G: nn.Module,
+    D: nn.Module,
+    batch: torch.Tensor,
+    opt_g: Any,
+    opt_d: Any,
+    backward: Backward,
+    toggle: Toggle | None = None,
+) -> None:
     """One loss over both engines, one backward, both step."""
     real, z = split(batch)
     loss = (D(G(z)) - 0.3).pow(2).mean() + D(real).pow(2).mean()
@@ -91,8 +119,16 @@ def shared(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: A
     opt_d.zero_grad()
 
 
-def accumulate(G: nn.Module, D: nn.Module, batch: torch.Tensor, opt_g: Any, opt_d: Any, backward: Backward,
-               toggle: Toggle | None = None, micro_batches: int = 2) -> None:
+def accumulate(
+    G: nn.Module,
+    D: nn.Module,
+    batch: torch.Tensor,
+    opt_g: Any,
+    opt_d: Any,
+    backward: Backward,
+    toggle: Toggle | None = None,
+    micro_batches: int = 2,
+) -> None:
     """User-managed accumulation through chained engines: loss / N, N backwards, then both step."""
     real, z = split(batch)
     for i in range(micro_batches):
@@ -111,6 +147,26 @@ STEPS: dict[str, Callable[..., None]] = {
     "shared": shared,
     "accumulate": accumulate,
 }
+
+
+def regression_loss(G: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    real, z = split(batch)
+    return (G(z) - real).pow(2).mean()
+
+
+def reference_automatic(steps: int, accumulate: int = 2, global_batch: int = 8) -> dict[str, torch.Tensor]:
+    """Plain PyTorch for ``AutomaticModule``: loss / accumulate, step and StepLR(gamma=0.5) every N batches."""
+    G, _ = make_modules()
+    optimizer = make_optimizer("sgd", G.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    data = make_batches(steps, global_batch)
+    for step in range(steps):
+        (regression_loss(G, data[step * global_batch : (step + 1) * global_batch]) / accumulate).backward()
+        if (step + 1) % accumulate == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    return {f"generator.{k}": v.detach().float().clone() for k, v in G.state_dict().items()}
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -147,8 +203,16 @@ def reference(pattern: str, optimizer: str, steps: int, global_batch: int = 8) -
 
     data = make_batches(steps, global_batch)
     for step in range(steps):
-        batch = data[step * global_batch:(step + 1) * global_batch]
-        STEPS[pattern](G, D, batch, opt_g, opt_d, lambda loss: loss.backward(), toggle if pattern == "gan_toggle" else None)
+        batch = data[step * global_batch : (step + 1) * global_batch]
+        STEPS[pattern](
+            G,
+            D,
+            batch,
+            opt_g,
+            opt_d,
+            lambda loss: loss.backward(),
+            toggle if pattern == "gan_toggle" else None,
+        )
     return weights(G, D)
 
 

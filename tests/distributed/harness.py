@@ -55,7 +55,7 @@ def run_ranks(script: Path, *args: str, world_size: int = 2, timeout: float = 30
         for proc in procs:
             proc.kill()
         raise AssertionError(f"{script.name} {' '.join(args)}: a rank did not finish within {timeout} s") from None
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         if proc.returncode != 0:
             raise AssertionError(f"rank {rank} of {script.name} exited with {proc.returncode}:\n{out[-6000:]}")
     return outputs

@@ -1,6 +1,8 @@
 """Per-rank script: train the GAN patterns under MultiDeepSpeedStrategy and save rank 0's weights.
 
 Usage: run_patterns.py OUT STAGE OPTIMIZER STEPS PRECISION PATTERN [PATTERN ...]
+
+PATTERN is one of ``patterns.PATTERNS`` or ``automatic`` (single optimizer, automatic optimization).
 """
 
 from __future__ import annotations
@@ -47,6 +49,26 @@ class PatternModule(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
 
 
+class AutomaticModule(pl.LightningModule):
+    """One submodule, one optimizer and scheduler, written for automatic optimization."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+        self.generator, _ = patterns.make_modules()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return patterns.regression_loss(self.generator, batch)
+
+    def configure_optimizers(self) -> dict:
+        optimizer = patterns.make_optimizer("sgd", self.generator.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return PatternModule.train_dataloader(self)  # type: ignore[arg-type]
+
+
 def backward_state(engine) -> dict[str, int]:
     state = {"running_backward": int(engine._running_engine_backward_count)}
     if isinstance(engine.optimizer, ZeROOptimizer):
@@ -58,11 +80,23 @@ def main() -> None:
     out, stage, optimizer, steps, precision, *names = sys.argv[1:]
     results = {}
     for pattern in names:
-        module = PatternModule(pattern, optimizer, int(steps))
+        if pattern == "automatic":
+            module = AutomaticModule(int(steps))
+        else:
+            module = PatternModule(pattern, optimizer, int(steps))
         strategy = MultiDeepSpeedStrategy(stage=int(stage))
         trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_epochs=1,
-            logger=False, enable_checkpointing=False, use_distributed_sampler=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            precision=precision,
+            max_epochs=1,
+            accumulate_grad_batches=2 if pattern == "automatic" else 1,
+            logger=False,
+            enable_checkpointing=False,
+            use_distributed_sampler=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         trainer.fit(module)
         state = strategy.lightning_module_state_dict()  # every rank: gathers ZeRO-3 partitions
@@ -71,6 +105,7 @@ def main() -> None:
             "engines": {name: backward_state(e) for name, e in strategy.engines.items()},
             "automatic": module.automatic_optimization,
             "dtype": str(next(module.generator.parameters()).dtype),
+            "lr": [group["lr"] for opt in strategy.optimizers for group in opt.param_groups],
         }
     if trainer.global_rank == 0:
         torch.save(results, out)

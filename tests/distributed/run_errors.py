@@ -1,0 +1,98 @@
+"""Per-rank script: run each bad-input scenario through a real 2-rank fit and print the error it raised."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_multids import MultiDeepSpeedStrategy
+from tests import patterns
+
+warnings.filterwarnings("ignore")
+
+
+class GAN(pl.LightningModule):
+    def __init__(self, step: Callable[[GAN, torch.Tensor], object] | None = None, optimizers: str = "both") -> None:
+        super().__init__()
+        self.generator, self.discriminator = patterns.make_modules()
+        self.step, self.which = step, optimizers
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> object:
+        assert self.step is not None
+        return self.step(self, batch)
+
+    def configure_optimizers(self) -> object:
+        g = torch.optim.SGD(self.generator.parameters(), lr=0.1)
+        d = torch.optim.SGD(self.discriminator.parameters(), lr=0.1)
+        if self.which == "none":
+            return None
+        if self.which == "spanning":
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.which == "generator":
+            return g
+        if self.which == "scheduled":
+            return [g, d], [torch.optim.lr_scheduler.StepLR(g, 1)]
+        return [g, d]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(patterns.make_batches(2), batch_size=4)
+
+
+def returns_loss(module: GAN, batch: torch.Tensor) -> torch.Tensor:
+    real, z = patterns.split(batch)
+    return module.discriminator(module.generator(z)).mean()
+
+
+def detached_loss(module: GAN, batch: torch.Tensor) -> None:
+    real, z = patterns.split(batch)
+    loss = module.discriminator(module.generator(z).detach()).detach().requires_grad_().mean()
+    module.manual_backward(loss)
+
+
+def steps_scheduler(module: GAN, batch: torch.Tensor) -> None:
+    real, z = patterns.split(batch)
+    opt_g, _ = module.optimizers()
+    module.manual_backward(module.discriminator(module.generator(z)).mean())
+    opt_g.step()
+    module.lr_schedulers().step()
+
+
+SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
+    "no_optimizer": (lambda: GAN(optimizers="none"), {}),
+    "spanning_optimizer": (lambda: GAN(optimizers="spanning"), {}),
+    "unknown_engine_key": (lambda: GAN(returns_loss), {"engines": {"critic": {}}}),
+    "engine_key_without_optimizer": (
+        lambda: GAN(returns_loss, "generator"),
+        {"engines": {"discriminator": {}}},
+    ),
+    "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
+    "detached_loss": (lambda: GAN(detached_loss), {}),
+    "scheduler_stepped_by_user": (lambda: GAN(steps_scheduler, "scheduled"), {}),
+}
+
+
+def main() -> None:
+    for name, (make_module, kwargs) in SCENARIOS.items():
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=MultiDeepSpeedStrategy(**kwargs),
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        try:
+            trainer.fit(make_module())
+        except ValueError as err:
+            print(f"RESULT {name}: {err}".replace("\n", " "), flush=True)
+        else:
+            print(f"RESULT {name}: no error", flush=True)
+
+
+if __name__ == "__main__":
+    main()

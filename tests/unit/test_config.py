@@ -1,0 +1,85 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids.config import engine_config, load_config, merge, precision_section, validate_stage
+
+
+def test_merge_recurses_and_leaves_inputs_alone() -> None:
+    base = {"zero_optimization": {"stage": 2, "overlap_comm": True}, "bf16": {"enabled": False}}
+    override = {"zero_optimization": {"stage": 3}}
+    merged = merge(base, override)
+    assert merged == {"zero_optimization": {"stage": 3, "overlap_comm": True}, "bf16": {"enabled": False}}
+    assert base["zero_optimization"]["stage"] == 2
+
+
+def test_engine_config_layers_default_then_override() -> None:
+    config = engine_config(
+        "discriminator",
+        stage=1,
+        default={"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5},
+        override={"zero_optimization": {"stage": 3}},
+        precision="bf16-mixed",
+    )
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["gradient_clipping"] == 0.5
+    assert config["bf16"] == {"enabled": True}
+    assert config["managed_gradient_accumulation"] is False
+    assert config["gradient_accumulation_steps"] == 1
+
+
+def test_engine_config_does_not_clip_by_default() -> None:
+    # DeepSpeed's own default is 1.0, which would silently diverge from PyTorch.
+    assert engine_config("g", stage=2, default={}, override={})["gradient_clipping"] == 0.0
+
+
+def test_load_config_reads_json(tmp_path: Path) -> None:
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    assert load_config(str(path), what="x") == {"zero_optimization": {"stage": 3}}
+
+
+def test_missing_config_file_names_engine_and_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"engine 'discriminator'.*not a file.*existing JSON file"):
+        MultiDeepSpeedStrategy(engines={"discriminator": str(tmp_path / "missing.json")})
+
+
+def test_config_that_is_not_json_names_engine_and_fix(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("{stage: 3")
+    with pytest.raises(ValueError, match=r"engine 'generator'.*not valid JSON.*Fix the file"):
+        MultiDeepSpeedStrategy(engines={"generator": str(path)})
+
+
+def test_config_that_is_not_an_object(tmp_path: Path) -> None:
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"every engine.*holds a list.*JSON object"):
+        MultiDeepSpeedStrategy(config=str(path))
+
+
+@pytest.mark.parametrize("stage", [-1, 4, "2", True, None])
+def test_stage_outside_0_3_is_refused(stage: object) -> None:
+    with pytest.raises(ValueError, match=r"ZeRO stage of MultiDeepSpeedStrategy\(stage=...\).*0, 1, 2 and 3"):
+        MultiDeepSpeedStrategy(stage=stage)  # type: ignore[arg-type]
+
+
+def test_stage_outside_0_3_in_an_engine_config_names_the_engine() -> None:
+    with pytest.raises(ValueError, match=r"ZeRO stage of the engine 'critic' is 5"):
+        engine_config("critic", stage=2, default={}, override={"zero_optimization": {"stage": 5}})
+
+
+def test_validate_stage_accepts_each_stage() -> None:
+    assert [validate_stage(s, what="x") for s in (0, 1, 2, 3)] == [0, 1, 2, 3]
+
+
+def test_accumulation_in_deepspeed_config_is_refused_with_the_lightning_fix() -> None:
+    with pytest.raises(ValueError, match=r"engine 'generator'.*gradient_accumulation_steps=4.*accumulate_grad_batches"):
+        engine_config("generator", stage=2, default={"gradient_accumulation_steps": 4}, override={})
+
+
+def test_unsupported_precision_lists_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match=r"precision='64-true'.*'bf16-mixed'"):
+        precision_section("64-true")

@@ -1,0 +1,146 @@
+import pytest
+import torch
+from torch import nn
+
+from lightning_multids.backward import reached_engines
+from lightning_multids.engine_set import EngineSet
+from lightning_multids.engines import check_engine_names, match_optimizers, parameter_owners
+from lightning_multids.optimizer import EngineScheduler, _GroupView
+from tests import patterns
+
+
+class GAN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator, self.discriminator = patterns.make_modules()
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+def sgd(*params: object) -> torch.optim.SGD:
+    return torch.optim.SGD(list(params), lr=0.1)  # type: ignore[arg-type]
+
+
+def test_each_optimizer_is_matched_to_its_submodule_in_order() -> None:
+    gan = GAN()
+    optimizers = [sgd(*gan.discriminator.parameters()), sgd(*gan.generator.parameters())]
+    assert list(match_optimizers(gan, optimizers).items()) == [("discriminator", 0), ("generator", 1)]
+
+
+def test_optimizer_with_several_param_groups_of_one_submodule() -> None:
+    gan = GAN()
+    first, *rest = gan.generator.parameters()
+    optimizer = torch.optim.SGD([{"params": [first], "lr": 0.1}, {"params": rest, "lr": 0.01}])
+    assert match_optimizers(gan, [optimizer]) == {"generator": 0}
+
+
+def test_optimizer_spanning_two_submodules_is_refused() -> None:
+    gan = GAN()
+    optimizer = sgd(*gan.generator.parameters(), *gan.discriminator.parameters())
+    with pytest.raises(
+        ValueError,
+        match=r"Optimizer 0 holds parameters of 'generator' and 'discriminator'.*one optimizer per submodule",
+    ):
+        match_optimizers(gan, [optimizer])
+
+
+def test_parameter_in_two_optimizers_is_refused() -> None:
+    gan = GAN()
+    shared = next(gan.generator.parameters())
+    optimizers = [sgd(*gan.generator.parameters()), sgd(shared)]
+    with pytest.raises(
+        ValueError, match=r"parameter of 'generator' is in optimizer 0 and optimizer 1.*remove it from one"
+    ):
+        match_optimizers(gan, optimizers)
+
+
+def test_parameter_of_the_lightning_module_itself_is_refused() -> None:
+    gan = GAN()
+    with pytest.raises(ValueError, match=r"belongs to the LightningModule itself.*move the parameter into a submodule"):
+        match_optimizers(gan, [sgd(gan.scale)])
+
+
+def test_two_optimizers_for_one_submodule_are_refused() -> None:
+    gan = GAN()
+    first, *rest = gan.generator.parameters()
+    with pytest.raises(ValueError, match=r"Optimizers 0 and 1 both train 'generator'.*several parameter groups"):
+        match_optimizers(gan, [sgd(first), sgd(*rest)])
+
+
+def test_engines_key_that_is_not_a_submodule_lists_the_submodules() -> None:
+    with pytest.raises(
+        ValueError, match=r"entry for 'critic'.*no submodule of that name.*'generator', 'discriminator'"
+    ):
+        check_engine_names(GAN(), ["generator", "critic"])
+
+
+def test_parameter_owners_skips_the_modules_own_parameters() -> None:
+    gan = GAN()
+    owners = parameter_owners(gan)
+    assert id(gan.scale) not in owners
+    assert {owners[id(p)] for p in gan.generator.parameters()} == {"generator"}
+
+
+def owners_of(gan: GAN) -> dict[int, str]:
+    return {id(p): name for name in ("generator", "discriminator") for p in getattr(gan, name).parameters()}
+
+
+def test_reached_engines_follows_the_graph_and_respects_detach() -> None:
+    gan = GAN()
+    real, z = patterns.split(torch.randn(4, 10))
+    fake = gan.generator(z)
+    d_loss = gan.discriminator(real).mean() + gan.discriminator(fake.detach()).mean()
+    g_loss = gan.discriminator(fake).mean()
+    assert reached_engines(d_loss, owners_of(gan)) == ["discriminator"]
+    assert sorted(reached_engines(g_loss, owners_of(gan))) == ["discriminator", "generator"]
+    assert reached_engines(gan.generator(z).detach().sum(), owners_of(gan)) == []
+
+
+def test_reached_engines_skips_an_engine_whose_gradients_are_off() -> None:
+    gan = GAN()
+    gan.discriminator.requires_grad_(False)
+    loss = gan.discriminator(gan.generator(torch.randn(2, 4))).sum()
+    assert reached_engines(loss, owners_of(gan)) == ["generator"]
+
+
+def test_loss_reaching_no_trainable_engine_is_refused() -> None:
+    gan = GAN()
+    engines = EngineSet(engines={"generator": object(), "discriminator": object()}, owners=owners_of(gan))  # type: ignore[dict-item]
+    loss = gan.generator(torch.randn(2, 4)).detach().requires_grad_().sum()
+    with pytest.raises(
+        ValueError,
+        match=r"reaches no trainable engine \('generator', 'discriminator'\).*without `.detach\(\)`",
+    ):
+        engines.reached_by(loss)
+
+
+def test_returned_loss_without_manual_backward_is_refused() -> None:
+    engines = EngineSet(engines={"generator": object()})  # type: ignore[dict-item]
+    loss = torch.ones(1, requires_grad=True).sum()
+    with pytest.raises(
+        ValueError, match=r"returned a loss but called no `self.manual_backward`.*manual_backward\(loss\)"
+    ):
+        engines.check_loss_was_used({"loss": loss}, backward_calls_before=0)
+    engines.check_loss_was_used(loss.detach(), backward_calls_before=0)  # a logged value is fine
+    engines.backward_calls = 1
+    engines.check_loss_was_used(loss, backward_calls_before=0)  # backpropagated: fine
+
+
+def test_group_view_shows_module_parameters_and_writes_hyperparameters_through() -> None:
+    params = list(nn.Linear(2, 2).parameters())
+    group = {"params": [torch.zeros(6)], "lr": 0.1}
+    view = _GroupView(group, params)
+    assert view["params"] is params
+    view["lr"] = 0.5
+    assert group["lr"] == 0.5
+    assert set(view) == {"params", "lr"}
+    with pytest.raises(ValueError, match=r"fixed when the engine is built.*configure_optimizers"):
+        view["params"] = []
+
+
+def test_engine_scheduler_refuses_a_second_step_and_reads_the_real_one() -> None:
+    optimizer = sgd(nn.Parameter(torch.ones(1)))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    visible = EngineScheduler("generator", scheduler)
+    assert visible.get_last_lr() == [0.1]
+    with pytest.raises(ValueError, match=r"engine 'generator' is stepped by its optimizer.*Remove the"):
+        visible.step()
