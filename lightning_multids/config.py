@@ -120,6 +120,37 @@ def precision_section(precision: str) -> dict[str, Any]:
         ) from None
 
 
+def apply_precision(config: Mapping[str, Any], precision: str, *, what: str) -> dict[str, Any]:
+    """Add the Trainer's ``precision`` to ``config`` unless the config chooses its own.
+
+    An engine may choose its own precision (``"bf16"``/``"fp16"`` sections, ``enabled`` true or false),
+    e.g. a frozen bf16 teacher beside an fp32 student. It may not enable both, nor enable the other
+    half precision than the Trainer's (bf16 vs fp16).
+
+    Raises:
+        ValueError: the config enables both bf16 and fp16, or contradicts the Trainer's half precision.
+    """
+    trainer_section = precision_section(precision)
+    own = {
+        key: bool(config[key].get("enabled", False)) for key in ("bf16", "fp16") if isinstance(config.get(key), Mapping)
+    }
+    if own.get("bf16") and own.get("fp16"):
+        raise ValueError(
+            f"The DeepSpeed config for {what} enables both bf16 and fp16. Enable one of them (or neither, for fp32)."
+        )
+    if not own:
+        return merge(config, trainer_section)
+    wanted = next(iter(trainer_section), None)  # "bf16", "fp16" or None for fp32
+    chosen = next((key for key, enabled in own.items() if enabled), None)
+    if wanted is not None and chosen is not None and chosen != wanted:
+        raise ValueError(
+            f"`Trainer(precision={precision!r})` asks for {wanted}, but the DeepSpeed config for {what} enables "
+            f"{chosen}. Remove the engine's `{chosen}` section to follow the Trainer, or change the Trainer's "
+            "precision."
+        )
+    return dict(config)
+
+
 def engine_config(
     name: str,
     *,
@@ -128,18 +159,27 @@ def engine_config(
     override: Mapping[str, Any],
     precision: str = "32-true",
     micro_batch_size: int = 1,
+    device_type: str | None = None,
 ) -> dict[str, Any]:
     """Build the full DeepSpeed config of the engine ``name``.
 
+    Args:
+        name: the engine's name, for error messages.
+        stage: the strategy's default ZeRO stage.
+        default: the strategy's default config.
+        override: the engine's own entry.
+        precision: the Trainer's precision flag.
+        micro_batch_size: the per-process batch size, unless a config sets one.
+        device_type: ``"cpu"`` or ``"cuda"``: fp16 is refused on a CPU.
+
     Raises:
-        ValueError: the resulting stage is not 0-3, or the config asks DeepSpeed to own gradient
-            accumulation (``gradient_accumulation_steps`` other than 1).
+        ValueError: the resulting stage is not 0-3, the config asks DeepSpeed to own gradient
+            accumulation (``gradient_accumulation_steps`` other than 1), its precision conflicts,
+            or it enables fp16 on a CPU.
     """
     what = f"the engine {name!r}"
-    config = merge(base_config(micro_batch_size), precision_section(precision))
-    config = merge(config, {"zero_optimization": {"stage": stage}})
-    config = merge(config, default)
-    config = merge(config, override)
+    user = merge(merge({"zero_optimization": {"stage": stage}}, default), override)
+    config = merge(base_config(micro_batch_size), apply_precision(user, precision, what=what))
     validate_stage(config["zero_optimization"].get("stage", 0), what=what)
     steps = config.get("gradient_accumulation_steps", 1)
     if steps != 1:
@@ -149,4 +189,31 @@ def engine_config(
             "or call `self.manual_backward(loss / N)` N times before `opt.step()`."
         )
     config.pop("train_batch_size", None)
+    if device_type == "cpu" and config.get("fp16", {}).get("enabled"):
+        raise ValueError(
+            f"The DeepSpeed config for {what} enables fp16, which DeepSpeed does not run on a CPU. Use "
+            "`Trainer(precision='bf16-mixed')` (or a `bf16` section in the engine's config) on a CPU; fp16 on a GPU."
+        )
     return config
+
+
+def frozen_config(name: str, config: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Adapt an engine config for a frozen engine (no optimizer: inference only).
+
+    ZeRO-1 and -2 partition optimizer state and gradients, which a frozen engine has none of, so they run
+    as stage 0 (replicated); stage 3 partitions the parameters.
+
+    Raises:
+        ValueError: the engine's own entry asks for gradient clipping or a scheduler, which need an optimizer.
+    """
+    for key in ("gradient_clipping", "scheduler"):
+        if override.get(key):
+            raise ValueError(
+                f"The engine {name!r} has no optimizer (none in `configure_optimizers`, no `optimizer` section in "
+                f"its DeepSpeed config), so its `{key}` setting would do nothing. Remove it, or give the engine "
+                "an optimizer."
+            )
+    frozen = merge(config, {"gradient_clipping": 0.0})
+    if frozen["zero_optimization"].get("stage", 0) in (1, 2):
+        frozen["zero_optimization"]["stage"] = 0
+    return frozen

@@ -24,8 +24,8 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
 from lightning_multids.backward import reached_engines
-from lightning_multids.config import engine_config
-from lightning_multids.engines import build_engine, match_optimizers, scheduler_for
+from lightning_multids.config import engine_config, frozen_config
+from lightning_multids.engines import build_engine, build_frozen_engine, match_optimizers, scheduler_for
 from lightning_multids.optimizer import EngineOptimizer, EngineScheduler
 
 
@@ -40,15 +40,24 @@ class EngineSet:
     """``id(parameter) -> engine name`` for the parameters of every trainable engine."""
     backward_calls: int = 0
 
+    def add_trainable(
+        self, name: str, engine: DeepSpeedEngine, optimizer: Optimizer, params: list[list[torch.nn.Parameter]]
+    ) -> None:
+        """Record a trainable engine, its optimizer for Lightning, and the parameters a backward can reach."""
+        self.engines[name] = engine
+        self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
+        self.owners.update({id(p): name for p in engine.module.parameters()})
+
     def reached_by(self, loss: torch.Tensor) -> list[DeepSpeedEngine]:
         """The trainable engines ``loss`` reaches; raises if it reaches none (it would train nothing)."""
         names = reached_engines(loss, self.owners)
         if not names:
+            trainable = ", ".join(repr(o.name) for o in self.optimizers)
             raise ValueError(
-                "`manual_backward` got a loss that reaches no trainable engine "
-                f"({', '.join(repr(n) for n in self.engines)}): it would train nothing. Compute the loss from the "
-                "outputs of those submodules without `.detach()` or `torch.no_grad()`, and check that "
-                "`toggle_optimizer` has not turned off the gradients of the engine you mean to train."
+                f"`manual_backward` got a loss that reaches no trainable engine ({trainable}): it would train "
+                "nothing. Compute the loss from the outputs of those submodules without `.detach()` or "
+                "`torch.no_grad()`, and check that `toggle_optimizer` has not turned off the gradients of the engine "
+                "you mean to train."
             )
         self.backward_calls += 1
         for optimizer in self.optimizers:
@@ -64,7 +73,8 @@ class EngineSet:
         if loss.requires_grad:
             raise ValueError(
                 f"`training_step` returned a loss but called no `self.manual_backward`, so nothing trained. With "
-                f"{len(self.engines)} engines ({', '.join(repr(n) for n in self.engines)}) the LightningModule runs "
+                f"{len(self.optimizers)} trainable engines ({', '.join(repr(o.name) for o in self.optimizers)}) the "
+                "LightningModule runs "
                 "manual optimization: in `training_step`, call `self.manual_backward(loss)` and then `opt.step()` "
                 "and `opt.zero_grad()` for each optimizer from `self.optimizers()`."
             )
@@ -91,48 +101,101 @@ def build_engines(
     default: Mapping[str, Any],
     overrides: Mapping[str, Mapping[str, Any]],
     precision: str,
+    device_type: str = "cpu",
 ) -> EngineSet:
-    """Call ``configure_optimizers`` and build one engine per optimizer, in the optimizers' order."""
-    optimizers, scheduler_configs = collect_optimizers(trainer, module)
+    """Build the engines of ``module``: trainable ones first, in ``self.optimizers()`` order, then frozen ones.
+
+    * an optimizer from ``configure_optimizers`` trains the submodule that owns its parameters;
+    * a submodule named in ``engines`` whose DeepSpeed config has an ``optimizer`` section is trained by that
+      optimizer (and the config's ``scheduler``); these come after the ``configure_optimizers`` ones;
+    * any other submodule named in ``engines`` becomes a frozen (inference) engine;
+    * submodules with neither an optimizer nor an entry stay plain modules on the device.
+    """
+
+    def config_of(name: str) -> dict[str, Any]:
+        override = overrides.get(name, {})
+        return engine_config(
+            name,
+            stage=stage,
+            default=default,
+            override=override,
+            precision=precision,
+            micro_batch_size=micro,
+            device_type=device_type,
+        )
+
+    micro = micro_batch_size(trainer)
+    named = {name: config_of(name) for name in overrides}
+    from_config = [name for name, config in named.items() if "optimizer" in config]
+    optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
     matched = match_optimizers(module, optimizers)
-    _check_overrides_have_optimizers(overrides, matched)
     manual = not module.automatic_optimization
     result = EngineSet()
     for name, index in matched.items():
+        config = named.get(name) or config_of(name)
+        _check_one_optimizer(name, config)
         optimizer = optimizers[index]
         scheduler_config = scheduler_for(scheduler_configs, optimizer)
         params = [list(group["params"]) for group in optimizer.param_groups]
-        config = engine_config(
-            name, stage=stage, default=default, override=overrides.get(name, {}), precision=precision
-        )
         # Manual optimization: the engine steps its scheduler in step(). Automatic: Lightning steps it,
         # by its interval, as with Lightning's DeepSpeedStrategy.
         engine_scheduler = scheduler_config.scheduler if manual and scheduler_config is not None else None
         engine = build_engine(getattr(module, name), config, optimizer, engine_scheduler)
-        result.engines[name] = engine
-        result.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
-        result.owners.update({id(p): name for p in engine.module.parameters()})
+        result.add_trainable(name, engine, optimizer, params)
         if scheduler_config is not None:
             result.scheduler_configs.append(_visible_scheduler(name, scheduler_config, manual))
+    for name in from_config:
+        if name in matched:
+            continue
+        trainable = [p for p in getattr(module, name).parameters() if p.requires_grad]
+        engine = build_engine(getattr(module, name), named[name])
+        result.add_trainable(name, engine, engine.basic_optimizer, [trainable])
+        if engine.lr_scheduler is not None:
+            result.scheduler_configs.append(_config_scheduler(name, engine, manual))
+    for name, config in named.items():
+        if name not in result.engines:
+            frozen = frozen_config(name, config, overrides[name])
+            result.engines[name] = build_frozen_engine(getattr(module, name), frozen)
     return result
 
 
+def micro_batch_size(trainer: pl.Trainer) -> int:
+    """The per-process batch size of the training dataloader, for DeepSpeed's bookkeeping; 1 if unknown.
+
+    DeepSpeed insists on ``train_micro_batch_size_per_gpu`` in every config, frozen engines included;
+    it never scales a gradient here. A value in a user's config wins.
+    """
+    source = trainer.fit_loop._data_source
+    if not source.is_defined():
+        return 1
+    loader = source.dataloader()
+    batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return int(batch_size) if batch_size else 1
+
+
 def collect_optimizers(
-    trainer: pl.Trainer, module: pl.LightningModule
+    trainer: pl.Trainer, module: pl.LightningModule, num_config_optimizers: int = 0
 ) -> tuple[list[Optimizer], list[LRSchedulerConfig]]:
-    """Call ``configure_optimizers``; with several optimizers, switch the module to manual optimization."""
+    """Call ``configure_optimizers``; with several trainable engines, switch the module to manual optimization.
+
+    Args:
+        trainer: the Trainer.
+        module: the LightningModule.
+        num_config_optimizers: how many engines get their optimizer from their DeepSpeed config.
+    """
     conf = call._call_lightning_module_hook(trainer, "configure_optimizers", pl_module=module)
-    if conf is None:
+    if conf is None and not num_config_optimizers:
         raise ValueError(
             f"`{type(module).__name__}.configure_optimizers` returned None, so no engine would train. Return one "
             "optimizer per submodule to train, e.g. `[Adam(self.generator.parameters()), "
-            "Adam(self.discriminator.parameters())]`."
+            "Adam(self.discriminator.parameters())]`, or give an engine an `optimizer` section in its DeepSpeed config."
         )
-    optimizers, schedulers, monitor = _configure_optimizers(conf)
-    if len(optimizers) > 1 and module.automatic_optimization:
+    optimizers, schedulers, monitor = _configure_optimizers(conf) if conf is not None else ([], [], None)
+    total = len(optimizers) + num_config_optimizers
+    if total > 1 and module.automatic_optimization:
         module.automatic_optimization = False
         rank_zero_info(
-            f"MultiDeepSpeedStrategy: {len(optimizers)} optimizers, so `{type(module).__name__}` runs manual "
+            f"MultiDeepSpeedStrategy: {total} trainable engines, so `{type(module).__name__}` runs manual "
             "optimization: call `self.manual_backward(loss)` and `opt.step()` in `training_step`."
         )
     if module.automatic_optimization:
@@ -144,13 +207,23 @@ def collect_optimizers(
     return optimizers, configs
 
 
-def _check_overrides_have_optimizers(overrides: Mapping[str, Any], matched: Mapping[str, int]) -> None:
-    for name in overrides:
-        if name not in matched:
+def _check_one_optimizer(name: str, config: Mapping[str, Any]) -> None:
+    for key in ("optimizer", "scheduler"):
+        if key in config:
             raise ValueError(
-                f"`engines` configures {name!r}, but no optimizer from `configure_optimizers` trains it. Return an "
-                f"optimizer over `self.{name}.parameters()`, or remove the entry."
+                f"The engine {name!r} gets an optimizer from `configure_optimizers` and its DeepSpeed config has an "
+                f"`{key}` section too. An engine has one optimizer: remove the `{key}` section from its config, or "
+                f"stop returning an optimizer over `self.{name}.parameters()`."
             )
+
+
+def _config_scheduler(name: str, engine: DeepSpeedEngine, manual: bool) -> LRSchedulerConfig:
+    """Show the scheduler of a DeepSpeed-config optimizer to Lightning (stepped per optimizer step)."""
+    config = LRSchedulerConfig(engine.lr_scheduler, interval="step")
+    if manual:
+        return _visible_scheduler(name, config, manual)
+    engine.lr_scheduler = None  # automatic optimization: Lightning steps it, as it steps the others
+    return config
 
 
 def _visible_scheduler(name: str, config: LRSchedulerConfig, manual: bool) -> LRSchedulerConfig:

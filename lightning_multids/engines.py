@@ -9,6 +9,7 @@ forward pre-hook that casts floating-point inputs to the engine's dtype (bf16/fp
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -109,19 +110,35 @@ def build_engine(
 ) -> DeepSpeedEngine:
     """Wrap ``module`` in a DeepSpeed engine with ``optimizer`` and ``scheduler`` (owned by the engine).
 
-    The engine steps ``scheduler`` in ``engine.step()``, once per optimizer step.
+    Without ``optimizer``, DeepSpeed builds one from the config's ``optimizer`` section if it has one,
+    over the module's trainable parameters. The engine steps its scheduler in ``engine.step()``.
+    Floating-point inputs of the module are cast to the engine's dtype on entry.
     """
     engine, *_ = deepspeed.initialize(
         model=module,
         optimizer=optimizer,
+        model_parameters=None if optimizer is not None else [p for p in module.parameters() if p.requires_grad],
         lr_scheduler=scheduler,
         config=config,
         dist_init_required=False,
     )
-    dtype = _engine_dtype(engine)
-    if dtype != torch.float32:
-        module.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+    module.register_forward_pre_hook(_cast_inputs(_engine_dtype(engine)), with_kwargs=True)
     return engine
+
+
+def build_frozen_engine(module: nn.Module, config: dict[str, Any]) -> DeepSpeedEngine:
+    """Wrap ``module`` in an inference engine: no gradients, no optimizer, always in eval mode.
+
+    ``Trainer.fit`` puts the LightningModule in train mode at every epoch; the frozen submodule ignores it.
+    """
+    module.requires_grad_(False)
+    module.eval()
+    module.train = types.MethodType(_stay_in_eval, module)  # type: ignore[method-assign]
+    return build_engine(module, config)
+
+
+def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
+    return nn.Module.train(module, False)
 
 
 def _engine_dtype(engine: DeepSpeedEngine) -> torch.dtype:

@@ -10,7 +10,7 @@ from deepspeed import DeepSpeedEngine
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_multids.sync import clear_gradients
+from lightning_multids.sync import clear_gradients, set_gradient_clipping
 
 
 class _GroupView(MutableMapping):
@@ -79,6 +79,7 @@ class EngineOptimizer(Optimizer):
         self._optimizer_step_post_hooks: dict = {}
         self.has_gradients = False
         """Whether a backward reached the engine since its last step or ``zero_grad``."""
+        self._configured_clipping: float | None = None
 
     @property
     def param_groups(self) -> list[MutableMapping]:  # type: ignore[override]
@@ -109,7 +110,20 @@ class EngineOptimizer(Optimizer):
             return loss
         self.engine.step()
         self.has_gradients = False
+        if self._configured_clipping is not None:
+            set_gradient_clipping(self.engine, self._configured_clipping)
+            self._configured_clipping = None
         return loss
+
+    def clip_next_step(self, max_norm: float) -> None:
+        """Clip this engine's gradients to global norm ``max_norm`` in its next ``step()`` only.
+
+        DeepSpeed clips inside ``step()``, after the gradients are reduced across ranks, which is where
+        ``self.clip_gradients(opt, gradient_clip_val=...)`` before ``opt.step()`` means to clip.
+        """
+        if self._configured_clipping is None:
+            self._configured_clipping = float(self.engine.gradient_clipping())
+        set_gradient_clipping(self.engine, max_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this engine's gradients, local and already reduced."""

@@ -33,20 +33,19 @@ class EnginePrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Accept clipping the engine already does in ``step()``; anything else is an error.
+        """Route clipping to the optimizer's engine: its next ``step()`` clips the reduced gradients by norm.
 
-        DeepSpeed clips by global norm inside ``engine.step()`` (``gradient_clipping`` in its config), after
-        the gradients are reduced; clipping the local, unreduced or partitioned gradients here would be wrong.
+        Clipping here, before ``step()``, would see local unreduced (ZeRO-0/1) or partitioned (ZeRO-2/3)
+        gradients; DeepSpeed clips correctly inside ``step()``. Only norm clipping exists there.
         """
-        if clip_val is None or clip_val <= 0:
+        if not clip_val or clip_val <= 0:
             return
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer from self.optimizers()
         assert isinstance(optimizer, EngineOptimizer)
         algorithm = GradClipAlgorithmType(gradient_clip_algorithm)
-        if algorithm == GradClipAlgorithmType.NORM and optimizer.engine.gradient_clipping() == clip_val:
-            return
-        raise ValueError(
-            f"Clipping the gradients of engine {optimizer.name!r} by {algorithm.value} {clip_val} is not possible "
-            f"here: DeepSpeed clips by norm in `step()`, and this engine clips at "
-            f'{optimizer.engine.gradient_clipping()}. Set `"gradient_clipping": {clip_val}` in its DeepSpeed '
-            "config (or `Trainer(gradient_clip_val=...)` for every engine) and remove the call."
-        )
+        if algorithm != GradClipAlgorithmType.NORM:
+            raise ValueError(
+                f"Clipping the gradients of engine {optimizer.name!r} by {algorithm.value} is not available: DeepSpeed "
+                "clips by global norm inside `step()`. Use `gradient_clip_algorithm='norm'`."
+            )
+        optimizer.clip_next_step(float(clip_val))

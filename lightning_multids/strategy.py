@@ -131,6 +131,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 default=self._default_config(trainer),
                 overrides=self.engine_overrides,
                 precision=str(self.precision_plugin.precision),
+                device_type=self.root_device.type,
             )
             self.optimizers = list[Optimizer](self._engine_set.optimizers)
             self.lr_scheduler_configs = self._engine_set.scheduler_configs

@@ -43,3 +43,14 @@ def _clear_zero_1_2(optimizer: DeepSpeedZeroOptimizer) -> None:
         optimizer.all_grad_tensors[index] = None
     optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
     optimizer.zero_grad(set_to_none=True)
+
+
+def set_gradient_clipping(engine: DeepSpeedEngine, max_norm: float) -> None:
+    """Make ``engine.step()`` clip the reduced gradients to global norm ``max_norm`` (0 turns clipping off).
+
+    The engine reads ``gradient_clipping`` from its config at stage 0; ZeRO and bf16 optimizers copy it
+    into ``clip_grad`` when built, so both are set.
+    """
+    engine._config.gradient_clipping = float(max_norm)
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = float(max_norm)

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-PATTERNS = ("gan", "gan_zero_first", "gan_toggle", "shared", "accumulate")
+PATTERNS = ("gan", "gan_zero_first", "gan_toggle", "shared", "accumulate", "clipped")
+CLIP = 0.05
 
 Backward = Callable[[torch.Tensor], None]
 Toggle = Callable[[Any], contextlib.AbstractContextManager]
@@ -140,12 +141,35 @@ def accumulate(
     opt_d.zero_grad()
 
 
+def clipped(
+    G: nn.Module,
+    D: nn.Module,
+    batch: torch.Tensor,
+    opt_g: Any,
+    opt_d: Any,
+    backward: Backward,
+    toggle: Toggle | None = None,
+    clip: Callable[[Any, float], None] | None = None,
+) -> None:
+    """One loss over both engines; each engine's gradients clipped to global norm ``CLIP`` before its step."""
+    assert clip is not None
+    real, z = split(batch)
+    backward((D(G(z)) - 0.3).pow(2).mean() + D(real).pow(2).mean())
+    clip(opt_g, CLIP)
+    clip(opt_d, CLIP)
+    opt_g.step()
+    opt_d.step()
+    opt_g.zero_grad()
+    opt_d.zero_grad()
+
+
 STEPS: dict[str, Callable[..., None]] = {
     "gan": gan,
     "gan_zero_first": gan_zero_first,
     "gan_toggle": gan_toggle,
     "shared": shared,
     "accumulate": accumulate,
+    "clipped": clipped,
 }
 
 
@@ -201,18 +225,15 @@ def reference(pattern: str, optimizer: str, steps: int, global_batch: int = 8) -
     def toggle(opt: Any) -> contextlib.AbstractContextManager:
         return _requires_grad_only(owner[id(opt)], [G, D])
 
+    def clip(opt: Any, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(owner[id(opt)].parameters(), max_norm)
+
     data = make_batches(steps, global_batch)
     for step in range(steps):
         batch = data[step * global_batch : (step + 1) * global_batch]
-        STEPS[pattern](
-            G,
-            D,
-            batch,
-            opt_g,
-            opt_d,
-            lambda loss: loss.backward(),
-            toggle if pattern == "gan_toggle" else None,
-        )
+        extra = {"clip": clip} if pattern == "clipped" else {}
+        toggled = toggle if pattern == "gan_toggle" else None
+        STEPS[pattern](G, D, batch, opt_g, opt_d, lambda loss: loss.backward(), toggled, **extra)
     return weights(G, D)
 
 
@@ -220,3 +241,60 @@ def weights(G: nn.Module, D: nn.Module) -> dict[str, torch.Tensor]:
     out = {f"generator.{k}": v.detach().float().clone() for k, v in G.state_dict().items()}
     out.update({f"discriminator.{k}": v.detach().float().clone() for k, v in D.state_dict().items()})
     return out
+
+
+# ---- distillation and frozen engines -------------------------------------------------------------------
+
+
+def make_distill_modules(seed: int = 1) -> tuple[nn.Module, nn.Module]:
+    """A teacher (with dropout, so eval mode matters) and a smaller student, 6 -> 4."""
+    torch.manual_seed(seed)
+    teacher = nn.Sequential(
+        nn.Linear(6, 32), nn.Tanh(), nn.Dropout(0.5), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+    )
+    student = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    return teacher, student
+
+
+def distill_step(
+    teacher: nn.Module, student: nn.Module, batch: torch.Tensor, opt: Any, backward: Backward, micro_batches: int = 2
+) -> None:
+    """User-managed accumulation of 2: match the frozen teacher's outputs, then step."""
+    x = batch[:, :6]
+    for i in range(micro_batches):
+        xi = x[i::micro_batches]
+        loss = (student(xi) - teacher(xi)).pow(2).mean() / micro_batches
+        backward(loss)
+    opt.step()
+    opt.zero_grad()
+
+
+def frozen_middle_step(
+    generator: nn.Module, critic: nn.Module, batch: torch.Tensor, opt: Any, backward: Backward
+) -> None:
+    """The loss flows through a frozen engine into a trained one: loss = critic(G(z))."""
+    z = batch[:, 6:]
+    backward(critic(generator(z)).pow(2).mean())
+    opt.step()
+    opt.zero_grad()
+
+
+def reference_distill(case: str, steps: int, global_batch: int = 8) -> dict[str, torch.Tensor]:
+    """Plain PyTorch for the frozen-engine cases; returns the trained module's weights."""
+    data = make_batches(steps, global_batch)
+    if case == "frozen_middle":
+        trained, _ = make_modules()
+        _, frozen = make_modules()
+        prefix = "generator"
+    else:
+        frozen, trained = make_distill_modules()
+        prefix = "student"
+    frozen.eval().requires_grad_(False)
+    opt = make_optimizer("sgd", trained.parameters())
+    for step in range(steps):
+        batch = data[step * global_batch : (step + 1) * global_batch]
+        if case == "frozen_middle":
+            frozen_middle_step(trained, frozen, batch, opt, lambda loss: loss.backward())
+        else:
+            distill_step(frozen, trained, batch, opt, lambda loss: loss.backward())
+    return {f"{prefix}.{k}": v.detach().float().clone() for k, v in trained.state_dict().items()}

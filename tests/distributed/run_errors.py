@@ -64,9 +64,11 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "no_optimizer": (lambda: GAN(optimizers="none"), {}),
     "spanning_optimizer": (lambda: GAN(optimizers="spanning"), {}),
     "unknown_engine_key": (lambda: GAN(returns_loss), {"engines": {"critic": {}}}),
-    "engine_key_without_optimizer": (
+    "optimizer_in_both": (lambda: GAN(), {"engines": {"discriminator": {"optimizer": {"type": "SGD"}}}}),
+    "fp16_on_cpu": (lambda: GAN(), {"engines": {"generator": {"fp16": {"enabled": True}}}}),
+    "clip_on_frozen": (
         lambda: GAN(returns_loss, "generator"),
-        {"engines": {"discriminator": {}}},
+        {"engines": {"discriminator": {"gradient_clipping": 1.0}}},
     ),
     "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
     "detached_loss": (lambda: GAN(detached_loss), {}),

@@ -31,9 +31,13 @@ class PatternModule(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt_g, opt_d = self.optimizers()
         toggle = self.toggled_optimizer if self.pattern == "gan_toggle" else None
+        extra = {"clip": self.clip} if self.pattern == "clipped" else {}
         patterns.STEPS[self.pattern](
-            self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward, toggle
+            self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward, toggle, **extra
         )
+
+    def clip(self, optimizer: object, max_norm: float) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         return [
@@ -69,8 +73,8 @@ class AutomaticModule(pl.LightningModule):
         return PatternModule.train_dataloader(self)  # type: ignore[arg-type]
 
 
-def backward_state(engine) -> dict[str, int]:
-    state = {"running_backward": int(engine._running_engine_backward_count)}
+def backward_state(engine) -> dict[str, float]:
+    state = {"running_backward": int(engine._running_engine_backward_count), "clipping": engine.gradient_clipping()}
     if isinstance(engine.optimizer, ZeROOptimizer):
         state["depth"] = int(engine.optimizer._backward_active_depth)
     return state

@@ -37,7 +37,7 @@ def assert_matches(trained: dict[str, torch.Tensor], expected: dict[str, torch.T
 
 def assert_backward_state_clean(result: dict) -> None:
     for name, state in result["engines"].items():
-        assert state == {k: 0 for k in state}, f"engine {name!r} left DeepSpeed backward state behind: {state}"
+        assert state == {k: 0 for k in state}, f"engine {name!r} left DeepSpeed state behind: {state}"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

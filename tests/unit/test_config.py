@@ -4,7 +4,15 @@ from pathlib import Path
 import pytest
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.config import engine_config, load_config, merge, precision_section, validate_stage
+from lightning_multids.config import (
+    apply_precision,
+    engine_config,
+    frozen_config,
+    load_config,
+    merge,
+    precision_section,
+    validate_stage,
+)
 
 
 def test_merge_recurses_and_leaves_inputs_alone() -> None:
@@ -83,3 +91,55 @@ def test_accumulation_in_deepspeed_config_is_refused_with_the_lightning_fix() ->
 def test_unsupported_precision_lists_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"precision='64-true'.*'bf16-mixed'"):
         precision_section("64-true")
+
+
+def test_trainer_precision_is_mapped_unless_the_engine_chooses() -> None:
+    assert apply_precision({}, "bf16-mixed", what="x")["bf16"] == {"enabled": True}
+    assert apply_precision({}, "32-true", what="x") == {}
+    # an fp32 engine (e.g. a frozen reward model) beside bf16 ones
+    assert apply_precision({"bf16": {"enabled": False}}, "bf16-mixed", what="x") == {"bf16": {"enabled": False}}
+    # a bf16 engine under an fp32 Trainer
+    assert apply_precision({"bf16": {"enabled": True}}, "32-true", what="x") == {"bf16": {"enabled": True}}
+
+
+def test_precision_conflicting_with_the_trainer_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"precision='bf16-mixed'.*asks for bf16.*the engine 'teacher' enables fp16"):
+        engine_config("teacher", stage=3, default={}, override={"fp16": {"enabled": True}}, precision="bf16-mixed")
+
+
+def test_config_enabling_bf16_and_fp16_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"engine 'student' enables both bf16 and fp16"):
+        engine_config("student", stage=2, default={"bf16": {"enabled": True}}, override={"fp16": {"enabled": True}})
+
+
+def test_fp16_on_cpu_is_refused_and_allowed_on_cuda() -> None:
+    override = {"fp16": {"enabled": True}}
+    with pytest.raises(ValueError, match=r"engine 'generator' enables fp16.*not run on a CPU"):
+        engine_config("generator", stage=2, default={}, override=override, device_type="cpu")
+    assert engine_config("generator", stage=2, default={}, override=override, device_type="cuda")["fp16"]["enabled"]
+
+
+def test_micro_batch_size_from_the_loader_unless_the_config_sets_it() -> None:
+    assert (
+        engine_config("g", stage=2, default={}, override={}, micro_batch_size=16)["train_micro_batch_size_per_gpu"]
+        == 16
+    )
+    own = {"train_micro_batch_size_per_gpu": 4}
+    assert (
+        engine_config("g", stage=2, default={}, override=own, micro_batch_size=16)["train_micro_batch_size_per_gpu"]
+        == 4
+    )
+
+
+def test_frozen_engine_runs_stage_1_and_2_replicated_and_keeps_3() -> None:
+    for stage, expected in ((0, 0), (1, 0), (2, 0), (3, 3)):
+        config = engine_config("teacher", stage=stage, default={}, override={})
+        assert frozen_config("teacher", config, {})["zero_optimization"]["stage"] == expected
+
+
+@pytest.mark.parametrize("key", ["gradient_clipping", "scheduler"])
+def test_frozen_engine_refuses_settings_that_need_an_optimizer(key: str) -> None:
+    override = {key: 1.0 if key == "gradient_clipping" else {"type": "WarmupLR"}}
+    config = engine_config("teacher", stage=3, default={}, override=override)
+    with pytest.raises(ValueError, match=rf"engine 'teacher' has no optimizer.*`{key}` setting would do nothing"):
+        frozen_config("teacher", config, override)

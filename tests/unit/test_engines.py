@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -104,7 +106,8 @@ def test_reached_engines_skips_an_engine_whose_gradients_are_off() -> None:
 
 def test_loss_reaching_no_trainable_engine_is_refused() -> None:
     gan = GAN()
-    engines = EngineSet(engines={"generator": object(), "discriminator": object()}, owners=owners_of(gan))  # type: ignore[dict-item]
+    stand_ins = [SimpleNamespace(name="generator"), SimpleNamespace(name="discriminator")]
+    engines = EngineSet(optimizers=stand_ins, owners=owners_of(gan))  # type: ignore[arg-type]
     loss = gan.generator(torch.randn(2, 4)).detach().requires_grad_().sum()
     with pytest.raises(
         ValueError,
@@ -114,7 +117,7 @@ def test_loss_reaching_no_trainable_engine_is_refused() -> None:
 
 
 def test_returned_loss_without_manual_backward_is_refused() -> None:
-    engines = EngineSet(engines={"generator": object()})  # type: ignore[dict-item]
+    engines = EngineSet(optimizers=[SimpleNamespace(name="generator")])  # type: ignore[list-item]
     loss = torch.ones(1, requires_grad=True).sum()
     with pytest.raises(
         ValueError, match=r"returned a loss but called no `self.manual_backward`.*manual_backward\(loss\)"

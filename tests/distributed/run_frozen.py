@@ -1,0 +1,105 @@
+"""Per-rank script: frozen engines (distillation, a frozen engine in the middle, a DeepSpeed-config optimizer).
+
+Usage: run_frozen.py OUT STEPS PRECISION SPEC [SPEC ...], each SPEC ``case:frozen_stage:trained_stage`` with case
+``distill`` (frozen teacher, trained student), ``frozen_middle`` (loss = frozen critic(generator(z))) or
+``config_optimizer`` (the student's optimizer comes from its DeepSpeed config).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_multids import MultiDeepSpeedStrategy
+from tests import patterns
+
+warnings.filterwarnings("ignore")
+
+SGD_CONFIG = {"optimizer": {"type": "SGD", "params": {"lr": 0.2}}}
+
+
+class FrozenModule(pl.LightningModule):
+    def __init__(self, case: str, steps: int) -> None:
+        super().__init__()
+        self.case, self.steps = case, steps
+        self.automatic_optimization = False  # user-managed accumulation
+        if case == "frozen_middle":
+            self.trained, _ = patterns.make_modules()
+            _, self.frozen = patterns.make_modules()
+        else:
+            self.frozen, self.trained = patterns.make_distill_modules()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        if self.case == "frozen_middle":
+            patterns.frozen_middle_step(self.trained, self.frozen, batch, opt, self.manual_backward)
+        else:
+            patterns.distill_step(self.frozen, self.trained, batch, opt, self.manual_backward)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer | None:
+        if self.case == "config_optimizer":
+            return None
+        return patterns.make_optimizer("sgd", self.trained.parameters())
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = patterns.make_batches(self.steps)
+        sampler = torch.utils.data.DistributedSampler(
+            data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=False
+        )
+        return torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+
+
+def partition_share(module: torch.nn.Module) -> float:
+    """The fraction of ``module``'s parameters this rank holds (1.0 when not partitioned)."""
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in module.parameters())
+    full = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters())
+    return local / full
+
+
+def main() -> None:
+    out, steps, precision, *specs = sys.argv[1:]
+    results = {}
+    for spec in specs:
+        case, frozen_stage, trained_stage = spec.split(":")
+        module = FrozenModule(case, int(steps))
+        trained = {"zero_optimization": {"stage": int(trained_stage)}}
+        if case == "config_optimizer":
+            trained.update(SGD_CONFIG)
+        strategy = MultiDeepSpeedStrategy(
+            engines={"frozen": {"zero_optimization": {"stage": int(frozen_stage)}}, "trained": trained}
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            precision=precision,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            use_distributed_sampler=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+        state = strategy.lightning_module_state_dict()
+        results[spec] = {
+            "weights": {
+                k.replace("trained.", ""): v.float().clone() for k, v in state.items() if k.startswith("trained.")
+            },
+            "frozen_share": partition_share(module.frozen),
+            "frozen_training": module.frozen.training,
+            "frozen_requires_grad": any(p.requires_grad for p in module.frozen.parameters()),
+            "optimizers": [opt.name for opt in strategy.optimizers],
+            "engines": sorted(strategy.engines),
+            "frozen_has_optimizer_state": bool(getattr(strategy.engines["frozen"], "basic_optimizer", None)),
+            "dtype": str(next(module.trained.parameters()).dtype),
+        }
+    if trainer.global_rank == 0:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main()
