@@ -29,8 +29,10 @@ reduce-scatter at stage 2/3) and the ZeRO-3 module hooks that gather and release
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from deepspeed import DeepSpeedEngine
@@ -68,8 +70,63 @@ def reached_engines(loss: torch.Tensor, owners: Mapping[int, str]) -> list[str]:
     return list(found)
 
 
+@dataclass
+class _Phases:
+    """Where one engine is in a routed backward: the root graph task, and gradients not yet reduced."""
+
+    root_task: int = -1
+    pending: bool = False
+    ended: set[int] = field(default_factory=set)
+
+
+_ACTIVE: dict[int, _Phases] = {}
+"""``id(engine) -> _Phases`` for the engines inside a routed backward right now."""
+
+
+def watch_phases(engine: DeepSpeedEngine) -> None:
+    """Hook ``engine``'s trainable parameters so a routed backward sees when their gradients arrive.
+
+    Under reentrant activation checkpointing every checkpointed segment runs its own nested backward
+    (its own autograd graph task). A parameter used in two segments (a checkpointed discriminator
+    called on real and on fake data) then receives its gradient twice in one backward, which ZeRO-2/3
+    can only reduce if an epilogue runs in between. DeepSpeed's post-backward callback runs once, at
+    the end of the outer graph task, so the strategy closes each nested phase itself.
+    """
+    for param in engine.module.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(functools.partial(_on_gradient, engine))
+
+
+def _on_gradient(engine: DeepSpeedEngine, param: torch.Tensor) -> None:
+    phases = _ACTIVE.get(id(engine))
+    if phases is None:
+        return
+    phases.pending = True
+    task = torch._C._current_graph_task_id()
+    if task in (phases.root_task, -1) or task in phases.ended:
+        return
+    phases.ended.add(task)
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_phase(engine, phases))
+
+
+def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:
+    """At the end of a nested graph task: reduce-scatter what arrived (ZeRO-2/3) before more arrives.
+
+    Only the reduction runs here, not the whole epilogue: ZeRO-3's also releases every submodule
+    still on the backward stack, which the outer backward needs. At stage 0/1 a backward only
+    accumulates locally, so a gradient arriving twice needs nothing.
+    """
+    if not phases.pending:
+        return
+    phases.pending = False
+    if engine.zero_optimization_partition_gradients():
+        engine.optimizer.overlapping_partition_gradients_reduce_epilogue()
+        # ZeRO-3 then accumulates (micro_step_id > 0) instead of overwriting what this phase reduced.
+        engine.optimizer.clear_backward_seen_flag()
+
+
 @contextmanager
-def _engine_backward(engine: DeepSpeedEngine) -> Iterator[None]:
+def _engine_backward(engine: DeepSpeedEngine, phases: _Phases) -> Iterator[None]:
     """Run ``engine``'s prologue on entry and its epilogue on a clean exit, as ``engine.backward`` does.
 
     ``_running_engine_backward`` makes DeepSpeed's queued post-backward callback skip the epilogue
@@ -79,6 +136,7 @@ def _engine_backward(engine: DeepSpeedEngine) -> Iterator[None]:
     with engine._running_engine_backward_lock:
         engine._running_engine_backward_count += 1
         engine._running_engine_backward = True
+    _ACTIVE[id(engine)] = phases
     try:
         if isinstance(engine.optimizer, ZeROOptimizer):
             engine.optimizer.clear_backward_seen_flag()
@@ -86,15 +144,28 @@ def _engine_backward(engine: DeepSpeedEngine) -> Iterator[None]:
         yield
         engine._backward_epilogue()
     finally:
+        _ACTIVE.pop(id(engine), None)
         with engine._running_engine_backward_lock:
             engine._running_engine_backward_count -= 1
             engine._running_engine_backward = engine._running_engine_backward_count > 0
 
 
 @contextmanager
-def engines_backward(engines: Iterable[DeepSpeedEngine]) -> Iterator[None]:
+def engines_backward(loss: torch.Tensor, engines: Iterable[DeepSpeedEngine]) -> Iterator[None]:
     """Run the body (one ``loss.backward()``) inside the prologue/epilogue of each engine in ``engines``."""
-    with ExitStack() as stack:
-        for engine in engines:
-            stack.enter_context(_engine_backward(engine))
-        yield
+    phases = {id(engine): _Phases() for engine in engines}
+
+    def record_root(grad: torch.Tensor) -> torch.Tensor:
+        for state in phases.values():
+            state.root_task = torch._C._current_graph_task_id()
+        return grad
+
+    handle = loss.register_hook(record_root) if loss.requires_grad else None
+    try:
+        with ExitStack() as stack:
+            for engine in engines:
+                stack.enter_context(_engine_backward(engine, phases[id(engine)]))
+            yield
+    finally:
+        if handle is not None:
+            handle.remove()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +23,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
-from lightning_multids.backward import reached_engines
+from lightning_multids.backward import reached_engines, watch_phases
 from lightning_multids.config import engine_config, frozen_config
-from lightning_multids.engines import build_engine, build_frozen_engine, match_optimizers, scheduler_for
+from lightning_multids.engines import (
+    build_engine,
+    build_frozen_engine,
+    is_partitioned,
+    match_optimizers,
+    scheduler_for,
+    unpartition,
+)
 from lightning_multids.optimizer import EngineOptimizer, EngineScheduler
 
 
@@ -45,6 +52,7 @@ class EngineSet:
     ) -> None:
         """Record a trainable engine, its optimizer for Lightning, and the parameters a backward can reach."""
         self.engines[name] = engine
+        watch_phases(engine)
         self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
         self.owners.update({id(p): name for p in engine.module.parameters()})
 
@@ -125,6 +133,7 @@ def build_engines(
         )
 
     micro = micro_batch_size(trainer)
+    _unpartition_children(module, keep=lambda name: _stage(config_of(name)) == 3)
     named = {name: config_of(name) for name in overrides}
     from_config = [name for name, config in named.items() if "optimizer" in config]
     optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
@@ -156,7 +165,22 @@ def build_engines(
         if name not in result.engines:
             frozen = frozen_config(name, config, overrides[name])
             result.engines[name] = build_frozen_engine(getattr(module, name), frozen)
+    _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
     return result
+
+
+def _stage(config: Mapping[str, Any]) -> int:
+    return int(config["zero_optimization"].get("stage", 0))
+
+
+def _unpartition_children(module: pl.LightningModule, keep: Callable[[str], bool]) -> None:
+    """Make whole again the submodules ``configure_model`` built under ``zero.Init`` that ``keep`` rejects.
+
+    Every rank reaches the same decisions, so the collective gathers line up.
+    """
+    for name, child in module.named_children():
+        if is_partitioned(child) and not keep(name):
+            unpartition(child)
 
 
 def micro_batch_size(trainer: pl.Trainer) -> int:

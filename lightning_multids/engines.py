@@ -170,3 +170,28 @@ def scheduler_for(configs: Sequence[LRSchedulerConfig], optimizer: Optimizer) ->
             "scheduler: combine them, e.g. with `torch.optim.lr_scheduler.SequentialLR`."
         )
     return found[0] if found else None
+
+
+def zero3_init(config: dict[str, Any]) -> Any:
+    """A ``deepspeed.zero.Init`` context: modules built inside it are partitioned as they are created."""
+    return deepspeed.zero.Init(config_dict_or_path=config, mem_efficient_linear=False)
+
+
+def is_partitioned(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters partitioned by ZeRO-3 (built under ``zero.Init``)."""
+    return any(hasattr(param, "ds_id") for param in module.parameters())
+
+
+def unpartition(module: nn.Module) -> None:
+    """Replace the ZeRO-3-partitioned parameters of ``module`` by whole, ordinary ones (a collective call).
+
+    Used for submodules built under ``zero.Init`` in ``configure_model`` whose engine is not ZeRO-3.
+    The parameter objects change, so this must run before an optimizer holds them.
+    """
+    partitioned = [param for param in module.parameters() if hasattr(param, "ds_id")]
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        for child in module.modules():
+            for name, param in list(child._parameters.items()):
+                if param is not None and hasattr(param, "ds_id"):
+                    whole = nn.Parameter(param.data.clone(), requires_grad=param.requires_grad)
+                    child._parameters[name] = whole

@@ -109,6 +109,7 @@ class EngineOptimizer(Optimizer):
             )
             return loss
         self.engine.step()
+        clear_gradients(self.engine)  # DeepSpeed clears param.grad; also drop what its partitions still hold
         self.has_gradients = False
         if self._configured_clipping is not None:
             set_gradient_clipping(self.engine, self._configured_clipping)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -22,9 +23,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_multids import backward as routing
-from lightning_multids.config import load_config, validate_stage
+from lightning_multids.config import engine_config, load_config, validate_stage
 from lightning_multids.engine_set import EngineSet, build_engines
-from lightning_multids.engines import check_engine_names
+from lightning_multids.engines import check_engine_names, zero3_init
 from lightning_multids.precision import EnginePrecision
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,28 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         return {"gradient_clipping": float(clip), **self.config}
 
     @override
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Build ``configure_model``'s submodules already partitioned when some engine is ZeRO-3.
+
+        ``zero.Init`` partitions every module created inside it; at setup, the submodules whose engine
+        turns out not to be ZeRO-3 (and plain submodules) are made whole again before any optimizer holds
+        them. So a ZeRO-3 teacher never exists whole in one process, while a ZeRO-2 student beside it
+        ends up whole, as its engine expects.
+        """
+        stages = [self.stage] + [
+            o.get("zero_optimization", {}).get("stage", self.stage) for o in self.engine_overrides.values()
+        ]
+        if 3 not in stages:
+            yield
+            return
+        config = engine_config(
+            "configure_model", stage=3, default=self.config, override={}, precision=str(self.precision_plugin.precision)
+        )
+        with zero3_init(config):
+            yield
+
+    @override
     def model_to_device(self) -> None:
         """Move the LightningModule (its plain submodules included) to this process's device."""
         assert self.model is not None
@@ -161,7 +184,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backpropagate ``closure_loss`` inside the prologue/epilogue of every engine it reaches."""
         engines = self._engine_set.reached_by(closure_loss)
-        with routing.engines_backward(engines):
+        with routing.engines_backward(closure_loss, engines):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

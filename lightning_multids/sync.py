@@ -31,6 +31,9 @@ def clear_gradients(engine: DeepSpeedEngine) -> None:
         _clear_zero_1_2(optimizer)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         optimizer.zero_grad(set_to_none=True)  # also sets micro_step_id = 0: the next reduction overwrites
+        # ...but a parameter first reduced later in the step (a later backward, or a later reentrant
+        # checkpoint phase) is added to its partition, which must not hold the last step's gradient.
+        optimizer.grad_partitions_flat_buffer.zero_()
     elif optimizer is not None:
         optimizer.zero_grad(set_to_none=True)  # torch optimizer, or BF16/FP16_Optimizer: lp and hp grads
     engine.zero_grad()  # param.grad of every module parameter

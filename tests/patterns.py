@@ -21,12 +21,35 @@ Backward = Callable[[torch.Tensor], None]
 Toggle = Callable[[Any], contextlib.AbstractContextManager]
 
 
-def make_modules(seed: int = 0) -> tuple[nn.Module, nn.Module]:
-    """A small generator (4 -> 6) and discriminator (6 -> 1), the same for a given seed."""
+class CheckpointedMLP(nn.Sequential):
+    """``Linear, Tanh, Linear`` whose last two layers run under ``torch.utils.checkpoint``.
+
+    The parameter names are those of the plain ``nn.Sequential``, so weights compare key by key.
+    """
+
+    def __init__(self, *layers: nn.Module, use_reentrant: bool) -> None:
+        super().__init__(*layers)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self[0](x)  # outside the checkpoint, so a reentrant checkpoint sees an input that needs grad
+        return torch.utils.checkpoint.checkpoint(
+            lambda h: self[2](self[1](h)), hidden, use_reentrant=self.use_reentrant
+        )
+
+
+def make_modules(seed: int = 0, checkpoint: str | None = None) -> tuple[nn.Module, nn.Module]:
+    """A small generator (4 -> 6) and discriminator (6 -> 1), the same for a given seed.
+
+    ``checkpoint="reentrant"`` or ``"non_reentrant"`` builds both with activation checkpointing inside.
+    """
     torch.manual_seed(seed)
-    generator = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 6))
-    discriminator = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
-    return generator, discriminator
+    layers_g = (nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 6))
+    layers_d = (nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    if checkpoint is None:
+        return nn.Sequential(*layers_g), nn.Sequential(*layers_d)
+    reentrant = checkpoint == "reentrant"
+    return CheckpointedMLP(*layers_g, use_reentrant=reentrant), CheckpointedMLP(*layers_d, use_reentrant=reentrant)
 
 
 def make_batches(steps: int, global_batch: int = 8, seed: int = 123) -> torch.Tensor:

@@ -21,9 +21,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_ranks(script: Path, *args: str, world_size: int = 2, timeout: float = 300.0) -> list[str]:
-    """Run ``script args`` once per rank; return each rank's output, or fail with it."""
+def run_ranks(
+    script: Path, *args: str, world_size: int = 2, timeout: float = 300.0, env: dict[str, str] | None = None
+) -> list[str]:
+    """Run ``script args`` once per rank (with extra ``env``); return each rank's output, or fail with it."""
     port = str(free_port())
+    extra_env = env or {}
     procs = []
     for rank in range(world_size):
         env = dict(os.environ)
@@ -36,6 +39,7 @@ def run_ranks(script: Path, *args: str, world_size: int = 2, timeout: float = 30
             PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
             OMP_NUM_THREADS="1",
         )
+        env.update(extra_env)
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(script), *args],

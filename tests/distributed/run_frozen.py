@@ -29,8 +29,17 @@ class FrozenModule(pl.LightningModule):
         if case == "frozen_middle":
             self.trained, _ = patterns.make_modules()
             _, self.frozen = patterns.make_modules()
-        else:
+        elif case != "configure_model":
             self.frozen, self.trained = patterns.make_distill_modules()
+
+    def configure_model(self) -> None:
+        """Case ``configure_model``: the submodules are built here, under the strategy's ZeRO-3 init."""
+        if self.case == "configure_model" and not hasattr(self, "frozen"):
+            self.frozen, self.trained = patterns.make_distill_modules()
+            self.built_partitioned = {
+                "frozen": all(hasattr(p, "ds_id") for p in self.frozen.parameters()),
+                "trained": all(hasattr(p, "ds_id") for p in self.trained.parameters()),
+            }
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt = self.optimizers()
@@ -96,6 +105,8 @@ def main() -> None:
             "engines": sorted(strategy.engines),
             "frozen_has_optimizer_state": bool(getattr(strategy.engines["frozen"], "basic_optimizer", None)),
             "dtype": str(next(module.trained.parameters()).dtype),
+            "built_partitioned": getattr(module, "built_partitioned", None),
+            "trained_partitioned": any(hasattr(p, "ds_id") for p in module.trained.parameters()),
         }
     if trainer.global_rank == 0:
         torch.save(results, out)

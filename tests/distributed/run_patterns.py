@@ -25,8 +25,10 @@ class PatternModule(pl.LightningModule):
 
     def __init__(self, pattern: str, optimizer: str, steps: int) -> None:
         super().__init__()
-        self.pattern, self.optimizer_name, self.steps = pattern, optimizer, steps
-        self.generator, self.discriminator = patterns.make_modules()
+        # "gan+reentrant": the gan pattern with activation checkpointing inside both engines
+        self.pattern, _, checkpoint = pattern.partition("+")
+        self.optimizer_name, self.steps = optimizer, steps
+        self.generator, self.discriminator = patterns.make_modules(checkpoint=checkpoint or None)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt_g, opt_d = self.optimizers()

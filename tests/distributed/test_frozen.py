@@ -70,9 +70,36 @@ def test_optimizer_from_the_deepspeed_config(tmp_path: Path) -> None:
         assert_frozen(result, int(spec.split(":")[1]))
 
 
+def test_teacher_built_in_configure_model_is_partitioned_from_the_start(tmp_path: Path) -> None:
+    """A ZeRO-3 teacher is built under zero.Init; the ZeRO-2 student beside it ends up whole and trains."""
+    result = train(tmp_path, "32-true", "configure_model:3:2")["configure_model:3:2"]
+    assert result["built_partitioned"] == {"frozen": True, "trained": True}, "zero.Init was not active"
+    assert result["trained_partitioned"] is False, "the ZeRO-2 student must be made whole before its engine"
+    assert_frozen(result, 3)
+    assert_matches_reference(result, "distill")
+
+
 def test_bf16_distillation_learns(tmp_path: Path) -> None:
     result = train(tmp_path, "bf16-mixed", "distill:3:2")["distill:3:2"]
     assert result["dtype"] == "torch.bfloat16"
     assert_frozen(result, 3)
     # bf16 keeps ~3 significant digits: compare with the fp32 reference at that resolution.
     assert_matches_reference(result, "distill", tolerance=3e-2)
+
+
+def test_zero3_teacher_never_exists_whole_in_one_process(tmp_path: Path) -> None:
+    """Each rank's memory grows by about half a 64 MiB teacher while configure_model builds it, not all of it.
+
+    glibc raises its mmap threshold as large blocks are freed and then keeps freed memory in the heap, so
+    resident memory would count layers already partitioned and freed; a fixed threshold makes it count
+    live memory only.
+    """
+    out = tmp_path / "memory.pt"
+    run_ranks(Path(__file__).with_name("run_memory.py"), str(out), env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    for rank in (0, 1):
+        result = torch.load(f"{out}.{rank}")
+        assert result["local_bytes"] == pytest.approx(result["teacher_bytes"] / 2, rel=0.01)
+        assert result["growth"] < 0.75 * result["teacher_bytes"], (
+            f"rank {rank}: memory grew by {result['growth'] / 2**20:.0f} MiB while building a "
+            f"{result['teacher_bytes'] / 2**20:.0f} MiB teacher"
+        )

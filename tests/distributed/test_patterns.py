@@ -74,3 +74,15 @@ def test_bf16_gan_trains_close_to_fp32(tmp_path: Path) -> None:
     assert result["dtype"] == "torch.bfloat16"
     # bf16 keeps ~3 significant digits: compare with the fp32 reference at that resolution.
     assert_matches(result["weights"], patterns.reference("gan", "sgd", 4), 3e-2)
+
+
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
+def test_activation_checkpointing_inside_engines_gives_the_same_weights(tmp_path: Path, checkpoint: str) -> None:
+    """DeepSpeed's gradient hooks fire in several phases under checkpointing; the result must not change."""
+    for stage in (1, 2, 3):
+        names = [f"{pattern}+{checkpoint}" for pattern in ("gan", "accumulate")]
+        results = train(tmp_path, stage, "sgd", 4, "32-true", *names)
+        for name in names:
+            expected = patterns.reference(name.split("+")[0], "sgd", 4)  # plain modules, no checkpointing
+            assert_matches(results[name]["weights"], expected, TOLERANCE)
+            assert_backward_state_clean(results[name])
