@@ -33,6 +33,7 @@ import functools
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from deepspeed import DeepSpeedEngine
@@ -169,3 +170,31 @@ def engines_backward(loss: torch.Tensor, engines: Iterable[DeepSpeedEngine]) -> 
     finally:
         if handle is not None:
             handle.remove()
+
+
+def loss_scale(engine: DeepSpeedEngine) -> float:
+    """The factor ``engine``'s optimizer divides gradients by in ``step()``: its fp16 loss scale, else 1."""
+    if not engine.fp16_enabled():
+        return 1.0
+    scale: Any = getattr(engine.optimizer, "loss_scale", None)  # ZeRO optimizers
+    if scale is None:
+        scale = getattr(engine.optimizer, "cur_scale", 1.0)  # FP16_Optimizer (stage 0)
+    return float(scale)
+
+
+def common_loss_scale(engines: Mapping[str, DeepSpeedEngine]) -> float:
+    """The one loss scale every engine a loss reaches expects; raises if they differ.
+
+    One ``loss.backward()`` can apply one factor. fp16 engines each keep their own dynamic scale;
+    a loss that crosses engines whose scales differ (an fp16 engine and a bf16 one, or two fp16
+    engines whose scales have diverged) cannot be right for all of them.
+    """
+    scales = {name: loss_scale(engine) for name, engine in engines.items()}
+    if len(set(scales.values())) > 1:
+        listed = ", ".join(f"{name!r} at {scale:g}" for name, scale in scales.items())
+        raise ValueError(
+            f"This loss reaches engines with different loss scales ({listed}), and one backward can apply only "
+            "one. Give these engines the same precision: bf16 needs no loss scaling; with fp16, set a static "
+            '`"fp16": {"loss_scale": S}` with the same S in each, or backpropagate a separate loss per engine.'
+        )
+    return next(iter(scales.values()), 1.0)

@@ -56,7 +56,7 @@ class EngineSet:
         self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
         self.owners.update({id(p): name for p in engine.module.parameters()})
 
-    def reached_by(self, loss: torch.Tensor) -> list[DeepSpeedEngine]:
+    def reached_by(self, loss: torch.Tensor) -> dict[str, DeepSpeedEngine]:
         """The trainable engines ``loss`` reaches; raises if it reaches none (it would train nothing)."""
         names = reached_engines(loss, self.owners)
         if not names:
@@ -71,7 +71,7 @@ class EngineSet:
         for optimizer in self.optimizers:
             if optimizer.name in names:
                 optimizer.has_gradients = True
-        return [self.engines[name] for name in names]
+        return {name: self.engines[name] for name in names}
 
     def check_loss_was_used(self, output: Any, backward_calls_before: int) -> None:
         """In manual optimization, raise if ``training_step`` returned a loss and nothing was backpropagated."""

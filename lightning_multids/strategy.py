@@ -184,8 +184,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backpropagate ``closure_loss`` inside the prologue/epilogue of every engine it reaches."""
         engines = self._engine_set.reached_by(closure_loss)
-        with routing.engines_backward(closure_loss, engines):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        scale = routing.common_loss_scale(engines)  # fp16: the scale the engines' steps divide by
+        loss = closure_loss * scale if scale != 1.0 else closure_loss
+        with routing.engines_backward(loss, engines.values()):
+            super().backward(loss, optimizer, *args, **kwargs)
+        return closure_loss
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_multids.backward import reached_engines
+from lightning_multids.backward import common_loss_scale, loss_scale, reached_engines
 from lightning_multids.engine_set import EngineSet
 from lightning_multids.engines import check_engine_names, match_optimizers, parameter_owners
 from lightning_multids.optimizer import EngineScheduler, _GroupView
@@ -147,3 +147,18 @@ def test_engine_scheduler_refuses_a_second_step_and_reads_the_real_one() -> None
     assert visible.get_last_lr() == [0.1]
     with pytest.raises(ValueError, match=r"engine 'generator' is stepped by its optimizer.*Remove the"):
         visible.step()
+
+
+def fp16_engine(scale: float | None) -> SimpleNamespace:
+    return SimpleNamespace(fp16_enabled=lambda: scale is not None, optimizer=SimpleNamespace(loss_scale=scale))
+
+
+def test_one_loss_scale_is_applied_when_every_engine_shares_it() -> None:
+    assert common_loss_scale({"g": fp16_engine(None), "d": fp16_engine(None)}) == 1.0
+    assert common_loss_scale({"g": fp16_engine(1024.0), "d": fp16_engine(1024.0)}) == 1024.0
+    assert loss_scale(SimpleNamespace(fp16_enabled=lambda: True, optimizer=SimpleNamespace(cur_scale=8.0))) == 8.0
+
+
+def test_a_loss_across_engines_with_different_loss_scales_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"different loss scales \('g' at 65536, 'd' at 1\).*same precision"):
+        common_loss_scale({"g": fp16_engine(65536.0), "d": fp16_engine(None)})
