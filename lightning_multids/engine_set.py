@@ -56,6 +56,10 @@ class EngineSet:
         self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
         self.owners.update({id(p): name for p in engine.module.parameters()})
 
+    def frozen_names(self) -> set[str]:
+        """The names of the frozen (optimizer-less) engines."""
+        return set(self.engines) - {optimizer.name for optimizer in self.optimizers}
+
     def reached_by(self, loss: torch.Tensor) -> dict[str, DeepSpeedEngine]:
         """The trainable engines ``loss`` reaches; raises if it reaches none (it would train nothing)."""
         names = reached_engines(loss, self.owners)

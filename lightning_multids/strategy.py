@@ -17,12 +17,12 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_multids import backward as routing
+from lightning_multids import checkpoint as checkpoints
 from lightning_multids.config import engine_config, load_config, validate_stage
 from lightning_multids.engine_set import EngineSet, build_engines
 from lightning_multids.engines import check_engine_names, zero3_init
@@ -53,6 +53,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
         timeout: the timeout of collective operations.
         start_method: how Lightning starts the other processes (``"popen"`` re-runs the script per rank).
+        save_frozen: also save frozen engines in every checkpoint (their weights do not change during fit, so
+            by default they are not duplicated into each one).
     """
 
     strategy_name = "multi_deepspeed"
@@ -70,6 +72,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
+        save_frozen: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -86,6 +89,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self.engine_overrides = {
             name: load_config(source, what=f"the engine {name!r}") for name, source in (engines or {}).items()
         }
+        self.save_frozen = save_frozen
         self._engine_set = EngineSet()
 
     @property
@@ -215,25 +219,80 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     # ---- checkpoints ---------------------------------------------------------------------------------
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Restore after setup: the engines must exist to load into."""
+        return True
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict as it is on this rank (ZeRO-3 parameters stay partitioned)."""
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
         """The module's full state dict, gathering ZeRO-3 partitions; every rank must call it."""
         assert self.lightning_module is not None
         return self._engine_set.full_state_dict(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Tensor]:
-        """Optimizer state is kept by each engine's own checkpoint, not in Lightning's file."""
-        rank_zero_warn(
-            "MultiDeepSpeedStrategy saves the module's weights in Lightning checkpoints, not the engines' optimizer "
-            "state (partitioned per rank under ZeRO). Resuming training from such a file restarts the optimizers.",
-        )
+        """Nothing here: each engine's checkpoint part holds its optimizer state."""
         return {}
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write the checkpoint directory ``filepath`` atomically: Lightning's part and one part per engine."""
+        if storage_options is not None:
+            raise TypeError("MultiDeepSpeedStrategy writes checkpoints itself: `storage_options` is not used.")
+        assert self.lightning_module is not None
+        engines = self._engine_set.engines
+        frozen = self._engine_set.frozen_names()
+        checkpoints.save(
+            checkpoint,
+            self.broadcast(str(filepath)),
+            engines={n: e for n, e in engines.items() if self.save_frozen or n not in frozen},
+            frozen=frozen,
+            plain_state=checkpoints.plain_state_dict(self.lightning_module, set(engines)),
+            is_global_zero=self.is_global_zero,
+            barrier=self.barrier,
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load every engine's part (all state when fitting, weights otherwise); return Lightning's part."""
+        path = checkpoints.resolve(self.broadcast(str(checkpoint_path)))
+        lightning = checkpoints.read_lightning_part(path)
+        saved = lightning[checkpoints.FORMAT_KEY]
+        module = self.lightning_module
+        assert module is not None
+        if self._engine_set.engines:
+            trainable = {o.name: self._engine_set.engines[o.name] for o in self._engine_set.optimizers}
+            check_names = {n: saved["engines"][n] for n in saved["engines"] if n not in saved["frozen"]}
+            checkpoints.check_engines({"engines": check_names}, trainable, path)
+            engines = {n: e for n, e in self._engine_set.engines.items() if n in saved["engines"]}
+            checkpoints.load_engines(path, engines, strict=module.strict_loading)
+        else:
+            for name, state in checkpoints.consolidated_state_dicts(path).items():
+                if name != "plain":
+                    getattr(module, name).load_state_dict(state, strict=module.strict_loading)
+        return lightning
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load the plain submodules' weights; the engines loaded theirs in :meth:`load_checkpoint`."""
+        assert self.lightning_module is not None
+        result = self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
+        if strict and result.unexpected_keys:
+            raise ValueError(
+                f"The checkpoint has weights for {result.unexpected_keys[:5]}, which this LightningModule does not "
+                "have. Load it into the module it was saved from, or pass `strict_loading=False` on the module."
+            )
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Leave the engines' optimizer state as built: Lightning's file holds none (see :meth:`optimizer_state`)."""
-        rank_zero_info("MultiDeepSpeedStrategy: the checkpoint holds no optimizer state; optimizers start fresh.")
+        """Nothing here: :meth:`load_checkpoint` restored each engine's optimizer state."""
 
     @classmethod
     @override

@@ -93,7 +93,7 @@ def main() -> None:
             enable_model_summary=False,
         )
         trainer.fit(module)
-        state = strategy.lightning_module_state_dict()
+        state = strategy.consolidated_state_dict()
         results[spec] = {
             "weights": {
                 k.replace("trained.", ""): v.float().clone() for k, v in state.items() if k.startswith("trained.")

@@ -105,7 +105,7 @@ def main() -> None:
             enable_model_summary=False,
         )
         trainer.fit(module)
-        state = strategy.lightning_module_state_dict()  # every rank: gathers ZeRO-3 partitions
+        state = strategy.consolidated_state_dict()  # every rank: gathers ZeRO-3 partitions
         results[pattern] = {
             "weights": {k: v.float().clone() for k, v in state.items()},
             "engines": {name: backward_state(e) for name, e in strategy.engines.items()},

@@ -1,0 +1,185 @@
+"""Checkpoints of a multi-engine run: one directory, one part per engine, written atomically; export.
+
+Layout of a checkpoint ``PATH`` (a directory, whatever its name, e.g. ``epoch=3-step=80.ckpt``)::
+
+    PATH/lightning.pt        Lightning's state (loops, callbacks, schedulers, hyperparameters, extras
+                             from on_save_checkpoint), the weights of plain (non-engine) submodules,
+                             and a description of the engines under the key "multids"
+    PATH/engines/NAME/       engine NAME as DeepSpeed saves it (weights, optimizer and loss-scaler
+                             state, ZeRO partitions per rank), tag "state"
+
+Every rank writes its partitions into ``PATH.partial``; when all have finished, rank 0 moves the
+finished directory to ``PATH``. A process killed while saving leaves only ``PATH.partial``, which is
+never loaded. Replacing an existing ``PATH`` (``last.ckpt``) moves the old one to ``PATH.old`` first;
+if a save dies between the two renames, loading ``PATH`` finds ``PATH.old``.
+
+Frozen engines are not saved unless asked (their weights never change during fit).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed import DeepSpeedEngine
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from torch import nn
+
+FORMAT_KEY = "multids"
+LIGHTNING_FILE = "lightning.pt"
+ENGINE_DIR = "engines"
+TAG = "state"
+
+
+def save(
+    checkpoint: dict[str, Any],
+    path: str | Path,
+    *,
+    engines: Mapping[str, DeepSpeedEngine],
+    frozen: set[str],
+    plain_state: dict[str, Any],
+    is_global_zero: bool,
+    barrier: Callable[[str], None],
+) -> None:
+    """Save Lightning's ``checkpoint`` and every engine in ``engines`` to the directory ``path``; a collective call.
+
+    Args:
+        checkpoint: what Lightning dumped; its ``state_dict`` is replaced by ``plain_state``, and its
+            ``optimizer_states`` are empty (each engine's part holds its optimizer state).
+        path: the checkpoint directory, the same on every rank.
+        engines: the engines to save, by name.
+        frozen: the names of all frozen engines (saved or not), for the description.
+        plain_state: the state dict entries of submodules that are not engines.
+        is_global_zero: whether this is rank 0, which writes Lightning's part and moves directories.
+        barrier: a barrier across all ranks.
+    """
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    if is_global_zero:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    barrier("multids.save.start")
+    for name, engine in engines.items():
+        engine.save_checkpoint(str(partial / ENGINE_DIR / name), tag=TAG, client_state={})
+    if is_global_zero:
+        kept = {k: v for k, v in checkpoint.items() if k != "state_dict"}  # optimizer_states are empty here
+        kept["state_dict"] = plain_state
+        kept[FORMAT_KEY] = {
+            "engines": {name: {"stage": e.zero_optimization_stage()} for name, e in engines.items()},
+            "frozen": sorted(frozen),
+        }
+        torch.save(kept, partial / LIGHTNING_FILE)
+    barrier("multids.save.written")
+    if is_global_zero:
+        _move_into_place(partial, path)
+    barrier("multids.save.done")
+
+
+def _move_into_place(partial: Path, path: Path) -> None:
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(partial, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve(path: str | Path) -> Path:
+    """The complete checkpoint directory at ``path`` (or at ``path.old`` after an interrupted replace).
+
+    Raises:
+        ValueError: nothing is there, or it is not a checkpoint of this strategy.
+    """
+    path = Path(path)
+    if not path.exists():
+        old = path.with_name(path.name + ".old")
+        if (old / LIGHTNING_FILE).is_file():
+            return old
+        raise ValueError(
+            f"The checkpoint {str(path)!r} does not exist. Pass the directory a MultiDeepSpeedStrategy run saved "
+            "(e.g. `ckpt_path='last'`, or a path from `ModelCheckpoint.best_model_path`)."
+        )
+    if not (path / LIGHTNING_FILE).is_file():
+        raise ValueError(
+            f"{str(path)!r} is not a MultiDeepSpeedStrategy checkpoint: it has no {LIGHTNING_FILE}. Such a "
+            "checkpoint is a directory written by `trainer.save_checkpoint` or `ModelCheckpoint` under this "
+            "strategy; a single-file Lightning checkpoint can be loaded with `model.load_state_dict` instead."
+        )
+    return path
+
+
+def read_lightning_part(path: Path) -> dict[str, Any]:
+    """Lightning's part of the checkpoint at ``path`` (see :func:`resolve`)."""
+    loaded = torch.load(path / LIGHTNING_FILE, map_location="cpu", weights_only=False)
+    if FORMAT_KEY not in loaded:
+        raise ValueError(f"{str(path / LIGHTNING_FILE)!r} was not written by MultiDeepSpeedStrategy.")
+    return loaded
+
+
+def check_engines(saved: Mapping[str, Any], engines: Mapping[str, DeepSpeedEngine], path: Path) -> None:
+    """Raise a ValueError unless the checkpoint holds exactly the trainable engines being resumed."""
+    expected, found = sorted(engines), sorted(saved["engines"])
+    if expected != found:
+        raise ValueError(
+            f"The checkpoint {str(path)!r} holds the engines {found}, but this module trains {expected}. Resume "
+            "with the LightningModule and `engines` it was saved with, or load only the weights with `export`."
+        )
+
+
+def load_engines(path: Path, engines: Mapping[str, DeepSpeedEngine], *, strict: bool) -> None:
+    """Load each engine's weights, optimizer and loss-scaler state from ``path``; a collective call."""
+    for name, engine in engines.items():
+        engine.load_checkpoint(
+            str(path / ENGINE_DIR / name),
+            tag=TAG,
+            load_module_strict=strict,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,  # Lightning restores the schedulers
+        )
+
+
+def consolidated_state_dicts(path: str | Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every saved engine's weights as one fp32 ``state_dict`` each, plus ``"plain"`` for the other submodules.
+
+    Works from any ZeRO stage and any world size, with no process group: ZeRO partitions are merged.
+    Keys are relative to each submodule (``"0.weight"``), ready for ``submodule.load_state_dict``.
+    """
+    path = resolve(path)
+    lightning = read_lightning_part(path)
+    result: dict[str, dict[str, torch.Tensor]] = {}
+    for name, info in lightning[FORMAT_KEY]["engines"].items():
+        engine_dir = path / ENGINE_DIR / name
+        if info["stage"] == 0:
+            model_states = torch.load(engine_dir / TAG / "mp_rank_00_model_states.pt", weights_only=False)
+            state = model_states["module"]
+        else:
+            state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=TAG)
+        result[name] = {key: value.float() if value.is_floating_point() else value for key, value in state.items()}
+    result["plain"] = dict(lightning["state_dict"])
+    return result
+
+
+def export(path: str | Path, out: str | Path) -> list[Path]:
+    """Write ``OUT/NAME.pt`` (an fp32 ``state_dict``) for each engine of the checkpoint at ``path``.
+
+    Load one into the plain module with ``module.load_state_dict(torch.load("OUT/generator.pt"))``; no
+    DeepSpeed and no process group needed. ``OUT/plain.pt`` holds the remaining submodules' entries,
+    keyed as in the LightningModule.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, state in consolidated_state_dicts(path).items():
+        target = out / f"{name}.pt"
+        torch.save(state, target)
+        written.append(target)
+    return written
+
+
+def plain_state_dict(module: nn.Module, engine_names: set[str]) -> dict[str, Any]:
+    """The entries of ``module.state_dict()`` that belong to no engine."""
+    return {k: v for k, v in module.state_dict().items() if k.split(".", 1)[0] not in engine_names}

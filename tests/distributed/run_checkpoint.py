@@ -1,0 +1,142 @@
+"""Per-rank script for checkpoint scenarios. Usage: run_checkpoint.py MODE ROOT
+
+MODE ``train``: 1 epoch of the GAN at ZeRO-3 with ModelCheckpoint; saves the live weights to ROOT/live.pt.
+MODE ``kill``: 2 epochs; rank 1 is SIGKILLed while the epoch-1 checkpoint is being written.
+MODE ``resume``: resume from ROOT/ckpts/last.ckpt for a third epoch; writes ROOT/resumed.json.
+MODE ``errors``: bad ckpt_path values; prints ``RESULT name: message``.
+MODE ``validate``: ``trainer.validate(ckpt_path=ROOT/ckpts/last.ckpt)`` in a fresh process; writes ROOT/val.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from deepspeed import DeepSpeedEngine
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_multids import MultiDeepSpeedStrategy
+from tests import patterns
+
+warnings.filterwarnings("ignore")
+
+
+class GAN(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator, self.discriminator = patterns.make_modules()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        patterns.gan_zero_first(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        real, z = patterns.split(batch)
+        self.log("val_score", self.discriminator(self.generator(z)).mean(), sync_dist=True)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [patterns.make_optimizer("adam", m.parameters()) for m in (self.generator, self.discriminator)]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(patterns.make_batches(2), batch_size=4)
+
+    val_dataloader = train_dataloader
+
+
+class Student(pl.LightningModule):
+    """A module with other engines than the GAN's, to resume a GAN checkpoint into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _, self.student = patterns.make_distill_modules()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.student(batch[:, :6]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.student.parameters(), lr=0.1)
+
+    train_dataloader = GAN.train_dataloader
+
+
+def trainer(root: Path, epochs: int) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=MultiDeepSpeedStrategy(stage=3),
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=True, save_top_k=-1)],
+    )
+
+
+def kill_during_second_save() -> None:
+    """SIGKILL rank 1 after it wrote its first engine of the second checkpoint, before the second engine."""
+    original, calls = DeepSpeedEngine.save_checkpoint, []
+
+    def save_checkpoint(self: DeepSpeedEngine, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        # epoch 0 writes epoch=0-step=4.ckpt and last.ckpt (2 engines each); die inside epoch=1-step=8.ckpt
+        if len(calls) == 6 and os.environ["LOCAL_RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *args, **kwargs)
+
+    DeepSpeedEngine.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+
+
+def main() -> None:
+    mode, root = sys.argv[1], Path(sys.argv[2])
+    if mode == "train":
+        t = trainer(root, 1)
+        t.fit(GAN())
+        weights = t.strategy.consolidated_state_dict()
+        if t.global_rank == 0:
+            torch.save(weights, root / "live.pt")
+    elif mode == "kill":
+        kill_during_second_save()
+        trainer(root, 2).fit(GAN())
+    elif mode == "resume":
+        t = trainer(root, 3)
+        t.fit(GAN(), ckpt_path=str(root / "ckpts" / "last.ckpt"))
+        if t.global_rank == 0:
+            (root / "resumed.json").write_text(json.dumps({"epoch": t.current_epoch, "step": t.global_step}))
+    elif mode == "validate":
+        t = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=MultiDeepSpeedStrategy(stage=3),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        (metrics,) = t.validate(GAN(), ckpt_path=str(root / "ckpts" / "last.ckpt"))
+        if t.global_rank == 0:
+            (root / "val.json").write_text(json.dumps(metrics))
+    elif mode == "errors":
+        (root / "plain.ckpt").write_bytes(b"not a checkpoint")
+        cases = {
+            "missing": (GAN, root / "nowhere.ckpt"),
+            "not_ours": (GAN, root / "plain.ckpt"),
+            "other_engines": (Student, root / "ckpts" / "last.ckpt"),
+        }
+        for name, (module, path) in cases.items():
+            try:
+                trainer(root / name, 2).fit(module(), ckpt_path=str(path))
+            except ValueError as err:
+                print(f"RESULT {name}: {err}".replace("\n", " "), flush=True)
+            else:
+                print(f"RESULT {name}: no error", flush=True)
+
+
+if __name__ == "__main__":
+    main()

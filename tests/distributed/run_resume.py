@@ -1,0 +1,109 @@
+"""Per-rank script: train 2 epochs straight, or 1 epoch + save + resume for 1 more; save weights and optimizer state.
+
+Usage: run_resume.py OUT CASE STAGE [STAGE ...] with CASE ``gan`` (two engines, Adam) or ``distill`` (frozen ZeRO-3
+teacher, Adam student). Writes OUT.RANK: {stage: {"straight": ..., "resumed": ...}}.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_multids import MultiDeepSpeedStrategy
+from tests import patterns
+
+warnings.filterwarnings("ignore")
+BATCHES = 2  # per epoch and rank
+
+
+class Resumable(pl.LightningModule):
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case = case
+        self.automatic_optimization = False
+        if case == "gan":
+            self.generator, self.discriminator = patterns.make_modules()
+        else:
+            self.teacher, self.student = patterns.make_distill_modules()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.case == "gan":
+            opt_g, opt_d = self.optimizers()
+            patterns.gan_zero_first(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
+        else:
+            patterns.distill_step(self.teacher, self.student, batch, self.optimizers(), self.manual_backward)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        trained = [self.generator, self.discriminator] if self.case == "gan" else [self.student]
+        return [patterns.make_optimizer("adam", m.parameters()) for m in trained]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = patterns.make_batches(BATCHES)
+        sampler = torch.utils.data.DistributedSampler(
+            data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=False
+        )
+        return torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+
+
+def optimizer_state(engine: object) -> list[torch.Tensor]:
+    """Adam's moments and the fp32 master weight of every parameter, whole (ZeRO partitions gathered).
+
+    Read per parameter, so the padding at the end of a ZeRO partition (uninitialised memory) is left out.
+    """
+    state = []
+    for param in engine.module.parameters():
+        if engine.zero_optimization_stage() == 0:
+            moments = engine.optimizer.state[param]
+            state += [moments["exp_avg"].clone(), moments["exp_avg_sq"].clone(), param.detach().clone()]
+        else:
+            state += [safe_get_full_optimizer_state(param, key).clone() for key in ("exp_avg", "exp_avg_sq")]
+            state.append(safe_get_full_fp32_param(param).clone())
+    return state
+
+
+def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = None) -> dict:
+    module = Resumable(case)
+    engines = {"teacher": {"zero_optimization": {"stage": 3}}} if case == "distill" else {}
+    strategy = MultiDeepSpeedStrategy(stage=stage, engines=engines)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        use_distributed_sampler=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1)],
+        default_root_dir=root,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return {
+        "weights": strategy.consolidated_state_dict(),
+        "optimizer": [t for opt in strategy.optimizers for t in optimizer_state(opt.engine)],
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "files": sorted(p.name for p in root.iterdir()),
+    }
+
+
+def main() -> None:
+    out, case, *stages = sys.argv[1:]
+    results = {}
+    for stage in map(int, stages):
+        root = Path(out).parent / f"{case}-{stage}"
+        straight = fit(case, stage, 2, root / "straight")
+        fit(case, stage, 1, root / "first")
+        resumed = fit(case, stage, 2, root / "second", ckpt_path=str(root / "first" / "last.ckpt"))
+        results[stage] = {"straight": straight, "resumed": resumed}
+    torch.save(results, f"{out}.{torch.distributed.get_rank()}")
+
+
+if __name__ == "__main__":
+    main()

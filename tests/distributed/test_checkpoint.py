@@ -1,0 +1,112 @@
+"""Save and resume every engine with Lightning's state, exactly; export to plain state dicts."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import patterns
+from tests.distributed.harness import run_ranks
+
+RESUME = Path(__file__).with_name("run_resume.py")
+
+
+@pytest.mark.parametrize("case", ["gan", "distill"])
+def test_resume_at_an_epoch_boundary_is_bitwise_exact(tmp_path: Path, case: str) -> None:
+    out = tmp_path / "resume.pt"
+    run_ranks(RESUME, str(out), case, "0", "1", "2", "3", timeout=600)
+    for rank in (0, 1):
+        for stage, result in torch.load(f"{out}.{rank}", weights_only=False).items():
+            straight, resumed = result["straight"], result["resumed"]
+            where = f"{case}, ZeRO-{stage}, rank {rank}"
+            assert resumed["global_step"] == straight["global_step"] > 0
+            assert straight["weights"].keys() == resumed["weights"].keys()
+            for key, value in straight["weights"].items():
+                assert torch.equal(value, resumed["weights"][key]), f"{where}: {key} differs after resume"
+            assert len(straight["optimizer"]) == len(resumed["optimizer"]) > 0
+            for a, b in zip(straight["optimizer"], resumed["optimizer"], strict=True):
+                assert torch.equal(a, b), f"{where}: optimizer state differs after resume"
+            assert "last.ckpt" in straight["files"] and not any(f.endswith(".partial") for f in straight["files"])
+
+
+SCENARIOS = Path(__file__).with_name("run_checkpoint.py")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ZeRO-3 GAN trained for one epoch, with its checkpoints and its live weights."""
+    root = tmp_path_factory.mktemp("ckpt")
+    run_ranks(SCENARIOS, "train", str(root))
+    return root
+
+
+def test_checkpoint_is_one_directory_with_a_part_per_engine(trained: Path) -> None:
+    last = trained / "ckpts" / "last.ckpt"
+    assert (last / "lightning.pt").is_file()
+    assert sorted(p.name for p in (last / "engines").iterdir()) == ["discriminator", "generator"]
+    lightning = torch.load(last / "lightning.pt", weights_only=False)
+    assert lightning["global_step"] == 4  # 2 batches x 2 optimizers (manual optimization)
+    assert "loops" in lightning and "callbacks" in lightning
+
+
+def test_export_gives_plain_state_dicts_equal_to_the_live_weights(trained: Path, tmp_path: Path) -> None:
+    from lightning_multids.checkpoint import export
+
+    written = export(trained / "ckpts" / "last.ckpt", tmp_path)  # no process group in this process
+    assert sorted(p.name for p in written) == ["discriminator.pt", "generator.pt", "plain.pt"]
+    live = torch.load(trained / "live.pt")
+    generator, discriminator = patterns.make_modules(seed=5)  # fresh, different weights; no DeepSpeed
+    generator.load_state_dict(torch.load(tmp_path / "generator.pt"))
+    discriminator.load_state_dict(torch.load(tmp_path / "discriminator.pt"))
+    for prefix, module in (("generator", generator), ("discriminator", discriminator)):
+        for key, value in module.state_dict().items():
+            assert torch.equal(value, live[f"{prefix}.{key}"]), f"{prefix}.{key}"
+
+
+def test_export_command_line(trained: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "exported"
+    cmd = [sys.executable, "-m", "lightning_multids.cli", "export", str(trained / "ckpts" / "last.ckpt"), str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    assert (out / "generator.pt").is_file() and (out / "discriminator.pt").is_file()
+
+
+def test_validate_from_a_checkpoint_in_a_fresh_process(trained: Path) -> None:
+    run_ranks(SCENARIOS, "validate", str(trained))
+    metrics = json.loads((trained / "val.json").read_text())
+    live = torch.load(trained / "live.pt")
+    generator, discriminator = patterns.make_modules()
+    generator.load_state_dict({k.split(".", 1)[1]: v for k, v in live.items() if k.startswith("generator.")})
+    discriminator.load_state_dict({k.split(".", 1)[1]: v for k, v in live.items() if k.startswith("discriminator.")})
+    _, z = patterns.split(patterns.make_batches(2))
+    expected = discriminator(generator(z)).mean().item()
+    assert metrics["val_score"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_bad_checkpoint_paths_fail_clearly(trained: Path) -> None:
+    outputs = run_ranks(SCENARIOS, "errors", str(trained))
+    messages = dict(re.findall(r"^RESULT (\w+): (.*)$", outputs[0], flags=re.M))
+    assert re.search(r"nowhere.ckpt' does not exist.*ckpt_path='last'", messages["missing"]), messages["missing"]
+    assert re.search(r"plain.ckpt' is not a MultiDeepSpeedStrategy checkpoint", messages["not_ours"])
+    assert re.search(
+        r"holds the engines \['discriminator', 'generator'\].*trains \['student'\]", messages["other_engines"]
+    )
+
+
+def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="exited with|did not finish"):
+        run_ranks(SCENARIOS, "kill", str(tmp_path), timeout=120)
+    ckpts = tmp_path / "ckpts"
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert "epoch=0-step=4.ckpt" in names and "last.ckpt" in names
+    assert any(name.endswith(".partial") for name in names), names  # the interrupted save
+    last = torch.load(ckpts / "last.ckpt" / "lightning.pt", weights_only=False)
+    assert last["epoch"] == 0, "last.ckpt must still be the complete epoch-0 checkpoint"
+    run_ranks(SCENARIOS, "resume", str(tmp_path))
+    assert json.loads((tmp_path / "resumed.json").read_text()) == {"epoch": 3, "step": 12}
