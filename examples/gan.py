@@ -164,7 +164,9 @@ def main() -> None:
         logs = trainer.logger.log_dir if trainer.logger else args.out
         print(f"\nEngines: { {name: engine.zero_optimization_stage() for name, engine in strategy.engines.items()} }")
         print(f"Samples:      {png}")
-        print(f"Checkpoints:  {trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else '-'}")
+        checkpoint = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else "-"
+        print(f"Checkpoint:   {checkpoint}")
+        print(f"Export:       lightning-multids export '{checkpoint}' {Path(args.out) / 'exported'}")
         print(f"Logs:         {logs}")
         print(f"Curves:       tensorboard --logdir {Path(logs).parent}")
 

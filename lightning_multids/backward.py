@@ -182,19 +182,31 @@ def loss_scale(engine: DeepSpeedEngine) -> float:
     return float(scale)
 
 
-def common_loss_scale(engines: Mapping[str, DeepSpeedEngine]) -> float:
-    """The one loss scale every engine a loss reaches expects; raises if they differ.
+def loss_scaling(engines: Mapping[str, DeepSpeedEngine]) -> tuple[float, dict[str, float]]:
+    """How to scale one loss that reaches ``engines``: the loss factor, and a gradient factor per engine.
 
-    One ``loss.backward()`` can apply one factor. fp16 engines each keep their own dynamic scale;
-    a loss that crosses engines whose scales differ (an fp16 engine and a bf16 one, or two fp16
-    engines whose scales have diverged) cannot be right for all of them.
+    Each fp16 engine's optimizer divides its gradients by its own dynamic loss scale in ``step()``; bf16
+    and fp32 engines divide by nothing. The loss is multiplied by the smallest fp16 scale S (so no
+    engine's backward runs at a larger scale than its own scaler allows), and each engine's parameter
+    gradients by ``its scale / S`` as they arrive, so every engine sees its gradients at its own scale.
     """
     scales = {name: loss_scale(engine) for name, engine in engines.items()}
-    if len(set(scales.values())) > 1:
-        listed = ", ".join(f"{name!r} at {scale:g}" for name, scale in scales.items())
-        raise ValueError(
-            f"This loss reaches engines with different loss scales ({listed}), and one backward can apply only "
-            "one. Give these engines the same precision: bf16 needs no loss scaling; with fp16, set a static "
-            '`"fp16": {"loss_scale": S}` with the same S in each, or backpropagate a separate loss per engine.'
-        )
-    return next(iter(scales.values()), 1.0)
+    fp16 = [scale for name, scale in scales.items() if engines[name].fp16_enabled()]
+    common = min(fp16) if fp16 else 1.0
+    return common, {name: scale / common for name, scale in scales.items()}
+
+
+@contextmanager
+def gradients_rescaled(engines: Mapping[str, DeepSpeedEngine], factors: Mapping[str, float]) -> Iterator[None]:
+    """Multiply the gradient of each parameter of ``engines[name]`` by ``factors[name]`` during the body."""
+    handles = []
+    for name, factor in factors.items():
+        if factor != 1.0:
+            for param in engines[name].module.parameters():
+                if param.requires_grad:
+                    handles.append(param.register_hook(functools.partial(torch.mul, other=factor)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -163,19 +163,20 @@ def consolidated_state_dicts(path: str | Path) -> dict[str, dict[str, torch.Tens
     return result
 
 
-def export(path: str | Path, out: str | Path) -> list[Path]:
-    """Write ``OUT/NAME.pt`` (an fp32 ``state_dict``) for each engine of the checkpoint at ``path``.
+def export(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> list[Path]:
+    """Write ``OUT/NAME.pt`` (a ``state_dict``) for each engine of the checkpoint at ``path``.
 
     Load one into the plain module with ``module.load_state_dict(torch.load("OUT/generator.pt"))``; no
     DeepSpeed and no process group needed. ``OUT/plain.pt`` holds the remaining submodules' entries,
-    keyed as in the LightningModule.
+    keyed as in the LightningModule. Floating-point tensors are written in ``dtype`` (fp32 by default;
+    ``torch.bfloat16`` or ``torch.float16`` for 16-bit weights).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, state in consolidated_state_dicts(path).items():
         target = out / f"{name}.pt"
-        torch.save(state, target)
+        torch.save({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, target)
         written.append(target)
     return written
 

@@ -188,9 +188,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backpropagate ``closure_loss`` inside the prologue/epilogue of every engine it reaches."""
         engines = self._engine_set.reached_by(closure_loss)
-        scale = routing.common_loss_scale(engines)  # fp16: the scale the engines' steps divide by
+        scale, factors = routing.loss_scaling(engines)  # fp16 engines: each sees its own loss scale
         loss = closure_loss * scale if scale != 1.0 else closure_loss
-        with routing.engines_backward(loss, engines.values()):
+        with routing.engines_backward(loss, engines.values()), routing.gradients_rescaled(engines, factors):
             super().backward(loss, optimizer, *args, **kwargs)
         return closure_loss
 

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
+from tests.distributed.common import cpu_trainer
 
 warnings.filterwarnings("ignore")
 
@@ -66,14 +67,9 @@ class Student(pl.LightningModule):
 
 
 def trainer(root: Path, epochs: int) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=MultiDeepSpeedStrategy(stage=3),
+    return cpu_trainer(
+        MultiDeepSpeedStrategy(stage=3),
         max_epochs=epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=True, save_top_k=-1)],
@@ -111,14 +107,7 @@ def main() -> None:
         if t.global_rank == 0:
             (root / "resumed.json").write_text(json.dumps({"epoch": t.current_epoch, "step": t.global_step}))
     elif mode == "validate":
-        t = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=MultiDeepSpeedStrategy(stage=3),
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        t = cpu_trainer(MultiDeepSpeedStrategy(stage=3))
         (metrics,) = t.validate(GAN(), ckpt_path=str(root / "ckpts" / "last.ckpt"))
         if t.global_rank == 0:
             (root / "val.json").write_text(json.dumps(metrics))

@@ -10,6 +10,7 @@ import torch
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
+from tests.distributed.common import cpu_trainer
 
 warnings.filterwarnings("ignore")
 
@@ -78,16 +79,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
 
 def main() -> None:
     for name, (make_module, kwargs) in SCENARIOS.items():
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=MultiDeepSpeedStrategy(**kwargs),
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = cpu_trainer(MultiDeepSpeedStrategy(**kwargs), enable_checkpointing=False)
         try:
             trainer.fit(make_module())
         except ValueError as err:

@@ -15,6 +15,7 @@ import torch
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
+from tests.distributed.common import cpu_trainer, sharded_loader
 
 warnings.filterwarnings("ignore")
 
@@ -55,10 +56,7 @@ class FrozenModule(pl.LightningModule):
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         data = patterns.make_batches(self.steps)
-        sampler = torch.utils.data.DistributedSampler(
-            data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=False
-        )
-        return torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+        return sharded_loader(self, data)
 
 
 def partition_share(module: torch.nn.Module) -> float:
@@ -80,18 +78,7 @@ def main() -> None:
         strategy = MultiDeepSpeedStrategy(
             engines={"frozen": {"zero_optimization": {"stage": int(frozen_stage)}}, "trained": trained}
         )
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
-            precision=precision,
-            max_epochs=1,
-            logger=False,
-            enable_checkpointing=False,
-            use_distributed_sampler=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = cpu_trainer(strategy, precision=precision, enable_checkpointing=False, use_distributed_sampler=False)
         trainer.fit(module)
         state = strategy.consolidated_state_dict()
         results[spec] = {

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
+from tests.distributed.common import cpu_trainer
 
 warnings.filterwarnings("ignore")
 WIDTH, LAYERS = 1024, 16  # about 16.8M parameters, 67 MB in fp32
@@ -68,16 +69,7 @@ def main() -> None:
     (out,) = sys.argv[1:]
     module = BigTeacher()
     strategy = MultiDeepSpeedStrategy(stage=2, engines={"teacher": {"zero_optimization": {"stage": 3}}})
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(strategy, max_steps=1, enable_checkpointing=False)
     trainer.fit(module)
     teacher_bytes = sum(p.ds_numel for p in module.teacher.parameters()) * 4
     local_bytes = sum(p.ds_tensor.numel() for p in module.teacher.parameters()) * 4

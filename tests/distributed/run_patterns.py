@@ -16,6 +16,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
+from tests.distributed.common import cpu_trainer, sharded_loader
 
 warnings.filterwarnings("ignore")
 
@@ -49,10 +50,7 @@ class PatternModule(pl.LightningModule):
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         data = patterns.make_batches(self.steps)
-        sampler = torch.utils.data.DistributedSampler(
-            data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=False
-        )
-        return torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+        return sharded_loader(self, data)
 
 
 class AutomaticModule(pl.LightningModule):
@@ -91,18 +89,12 @@ def main() -> None:
         else:
             module = PatternModule(pattern, optimizer, int(steps))
         strategy = MultiDeepSpeedStrategy(stage=int(stage))
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy,
+        trainer = cpu_trainer(
+            strategy,
             precision=precision,
-            max_epochs=1,
             accumulate_grad_batches=2 if pattern == "automatic" else 1,
-            logger=False,
             enable_checkpointing=False,
             use_distributed_sampler=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
         trainer.fit(module)
         state = strategy.consolidated_state_dict()  # every rank: gathers ZeRO-3 partitions

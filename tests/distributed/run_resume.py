@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
+from tests.distributed.common import cpu_trainer, sharded_loader
 
 warnings.filterwarnings("ignore")
 BATCHES = 2  # per epoch and rank
@@ -45,10 +46,7 @@ class Resumable(pl.LightningModule):
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         data = patterns.make_batches(BATCHES)
-        sampler = torch.utils.data.DistributedSampler(
-            data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=False
-        )
-        return torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+        return sharded_loader(self, data)
 
 
 def optimizer_state(engine: object) -> list[torch.Tensor]:
@@ -71,15 +69,10 @@ def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = 
     module = Resumable(case)
     engines = {"teacher": {"zero_optimization": {"stage": 3}}} if case == "distill" else {}
     strategy = MultiDeepSpeedStrategy(stage=stage, engines=engines)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
+    trainer = cpu_trainer(
+        strategy,
         max_epochs=epochs,
-        logger=False,
         use_distributed_sampler=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1)],
         default_root_dir=root,
     )

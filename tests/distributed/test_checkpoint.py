@@ -72,9 +72,15 @@ def test_export_command_line(trained: Path, tmp_path: Path) -> None:
     import sys
 
     out = tmp_path / "exported"
-    cmd = [sys.executable, "-m", "lightning_multids.cli", "export", str(trained / "ckpts" / "last.ckpt"), str(out)]
+    last = str(trained / "ckpts" / "last.ckpt")
+    cmd = [sys.executable, "-m", "lightning_multids.cli", "export", last, str(out), "--dtype", "bf16"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    assert (out / "generator.pt").is_file() and (out / "discriminator.pt").is_file()
+    generator = torch.load(out / "generator.pt")
+    live = torch.load(trained / "live.pt")
+    assert (out / "discriminator.pt").is_file()
+    for key, value in generator.items():
+        assert value.dtype == torch.bfloat16
+        assert torch.equal(value, live[f"generator.{key}"].to(torch.bfloat16))
 
 
 def test_validate_from_a_checkpoint_in_a_fresh_process(trained: Path) -> None:

@@ -40,15 +40,31 @@ def assert_backward_state_clean(result: dict) -> None:
         assert state == {k: 0 for k in state}, f"engine {name!r} left DeepSpeed state behind: {state}"
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_every_pattern_matches_pytorch_with_sgd(tmp_path: Path, stage: int) -> None:
-    results = train(tmp_path, stage, "sgd", 4, "32-true", *patterns.PATTERNS)
+CHECKPOINTED = [f"{pattern}+{mode}" for pattern in ("gan", "accumulate") for mode in ("reentrant", "non_reentrant")]
+
+
+@pytest.fixture(scope="module", params=[0, 1, 2, 3], ids=lambda stage: f"zero{stage}")
+def sgd_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One 2-rank launch per stage: every pattern, and the GAN and accumulation with activation checkpointing."""
+    tmp_path = tmp_path_factory.mktemp(f"zero{request.param}")
+    return train(tmp_path, request.param, "sgd", 4, "32-true", *patterns.PATTERNS, *CHECKPOINTED)
+
+
+def test_every_pattern_matches_pytorch_with_sgd(sgd_run: dict) -> None:
     for pattern in patterns.PATTERNS:
-        result = results[pattern]
+        result = sgd_run[pattern]
         assert result["automatic"] is False, "several optimizers must switch the module to manual optimization"
         assert set(result["engines"]) == {"generator", "discriminator"}
         assert_matches(result["weights"], patterns.reference(pattern, "sgd", 4), TOLERANCE)
         assert_backward_state_clean(result)
+
+
+def test_activation_checkpointing_inside_engines_gives_the_same_weights(sgd_run: dict) -> None:
+    """DeepSpeed's gradient hooks fire in several phases under checkpointing; the result must not change."""
+    for name in CHECKPOINTED:
+        expected = patterns.reference(name.split("+")[0], "sgd", 4)  # plain modules, no checkpointing
+        assert_matches(sgd_run[name]["weights"], expected, TOLERANCE)
+        assert_backward_state_clean(sgd_run[name])
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -74,15 +90,3 @@ def test_bf16_gan_trains_close_to_fp32(tmp_path: Path) -> None:
     assert result["dtype"] == "torch.bfloat16"
     # bf16 keeps ~3 significant digits: compare with the fp32 reference at that resolution.
     assert_matches(result["weights"], patterns.reference("gan", "sgd", 4), 3e-2)
-
-
-@pytest.mark.parametrize("checkpoint", ["reentrant", "non_reentrant"])
-def test_activation_checkpointing_inside_engines_gives_the_same_weights(tmp_path: Path, checkpoint: str) -> None:
-    """DeepSpeed's gradient hooks fire in several phases under checkpointing; the result must not change."""
-    for stage in (1, 2, 3):
-        names = [f"{pattern}+{checkpoint}" for pattern in ("gan", "accumulate")]
-        results = train(tmp_path, stage, "sgd", 4, "32-true", *names)
-        for name in names:
-            expected = patterns.reference(name.split("+")[0], "sgd", 4)  # plain modules, no checkpointing
-            assert_matches(results[name]["weights"], expected, TOLERANCE)
-            assert_backward_state_clean(results[name])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_multids.backward import common_loss_scale, loss_scale, reached_engines
+from lightning_multids.backward import gradients_rescaled, loss_scale, loss_scaling, reached_engines
 from lightning_multids.engine_set import EngineSet
 from lightning_multids.engines import check_engine_names, match_optimizers, parameter_owners
 from lightning_multids.optimizer import EngineScheduler, _GroupView
@@ -149,16 +149,38 @@ def test_engine_scheduler_refuses_a_second_step_and_reads_the_real_one() -> None
         visible.step()
 
 
-def fp16_engine(scale: float | None) -> SimpleNamespace:
-    return SimpleNamespace(fp16_enabled=lambda: scale is not None, optimizer=SimpleNamespace(loss_scale=scale))
+def fake_engine(module: nn.Module, scale: float | None) -> SimpleNamespace:
+    """An engine as the loss-scaling code sees it: fp16 with ``scale``, or bf16/fp32 when ``scale`` is None."""
+    return SimpleNamespace(
+        module=module, fp16_enabled=lambda: scale is not None, optimizer=SimpleNamespace(loss_scale=scale)
+    )
 
 
-def test_one_loss_scale_is_applied_when_every_engine_shares_it() -> None:
-    assert common_loss_scale({"g": fp16_engine(None), "d": fp16_engine(None)}) == 1.0
-    assert common_loss_scale({"g": fp16_engine(1024.0), "d": fp16_engine(1024.0)}) == 1024.0
-    assert loss_scale(SimpleNamespace(fp16_enabled=lambda: True, optimizer=SimpleNamespace(cur_scale=8.0))) == 8.0
+def test_loss_scale_reads_zero_and_stage_0_fp16_optimizers() -> None:
+    assert loss_scale(fake_engine(nn.Linear(1, 1), None)) == 1.0
+    assert loss_scale(fake_engine(nn.Linear(1, 1), 1024.0)) == 1024.0
+    stage0 = SimpleNamespace(fp16_enabled=lambda: True, optimizer=SimpleNamespace(cur_scale=8.0))
+    assert loss_scale(stage0) == 8.0  # type: ignore[arg-type]
 
 
-def test_a_loss_across_engines_with_different_loss_scales_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"different loss scales \('g' at 65536, 'd' at 1\).*same precision"):
-        common_loss_scale({"g": fp16_engine(65536.0), "d": fp16_engine(None)})
+def test_each_engine_receives_gradients_at_its_own_loss_scale() -> None:
+    """One loss through an fp16 engine (scale 2^16), another fp16 engine (2^10) and a bf16 one (no scale)."""
+    torch.manual_seed(0)
+    first, second, third = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
+    engines = {"a": fake_engine(first, 2.0**16), "b": fake_engine(second, 2.0**10), "c": fake_engine(third, None)}
+    x = torch.randn(5, 3)
+    third(second(first(x))).sum().backward()
+    expected = {name: [p.grad.clone() for p in e.module.parameters()] for name, e in engines.items()}
+    for e in engines.values():
+        e.module.zero_grad(set_to_none=True)
+
+    scale, factors = loss_scaling(engines)  # type: ignore[arg-type]
+    assert scale == 2.0**10 and factors == {"a": 2.0**6, "b": 1.0, "c": 2.0**-10}
+    with gradients_rescaled(engines, factors):  # type: ignore[arg-type]
+        (third(second(first(x))).sum() * scale).backward()
+    for name, engine in engines.items():
+        own = loss_scale(engine)  # type: ignore[arg-type]
+        for param, grad in zip(engine.module.parameters(), expected[name], strict=True):
+            torch.testing.assert_close(param.grad, grad * own)
+    third(second(first(x))).sum().backward()  # hooks are gone afterwards: plain gradients accumulate
+    torch.testing.assert_close(third.bias.grad, expected["c"][-1] * 2, rtol=1e-6, atol=1e-6)

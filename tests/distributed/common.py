@@ -1,0 +1,25 @@
+"""What every per-rank runner script builds the same way: a quiet 2-process CPU Trainer and a sharded loader."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
+
+
+def cpu_trainer(strategy: pl.strategies.Strategy, **kwargs: Any) -> pl.Trainer:
+    """A Trainer on 2 CPU processes with ``strategy``, no logger, progress bar or summary; ``kwargs`` win."""
+    options: dict[str, Any] = {"accelerator": "cpu", "devices": 2, "max_epochs": 1, **QUIET}
+    options.update(kwargs)
+    return pl.Trainer(strategy=strategy, **options)
+
+
+def sharded_loader(module: pl.LightningModule, data: torch.Tensor, batch_size: int = 4) -> torch.utils.data.DataLoader:
+    """This rank's share of ``data`` in order (rank r gets rows r, r + 2, ...), so a test knows the global batch."""
+    sampler = torch.utils.data.DistributedSampler(
+        data, num_replicas=module.trainer.world_size, rank=module.global_rank, shuffle=False
+    )
+    return torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler)
