@@ -6,6 +6,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
+# DeepSpeed JIT-builds a CPU communication op on first use; keep the build with this checkout's venv so that
+# another checkout (another venv) never rebuilds it under a running job.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+
 .PHONY: install demo test lint typecheck clean
 
 $(STAMP): pyproject.toml

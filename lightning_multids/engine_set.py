@@ -24,12 +24,13 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
 from lightning_multids.backward import reached_engines, watch_phases
-from lightning_multids.config import engine_config, frozen_config
+from lightning_multids.config import engine_config, frozen_config, merge
 from lightning_multids.engines import (
     build_engine,
     build_frozen_engine,
     is_partitioned,
     match_optimizers,
+    refuse_direct_calls,
     scheduler_for,
     unpartition,
 )
@@ -51,6 +52,7 @@ class EngineSet:
         self, name: str, engine: DeepSpeedEngine, optimizer: Optimizer, params: list[list[torch.nn.Parameter]]
     ) -> None:
         """Record a trainable engine, its optimizer for Lightning, and the parameters a backward can reach."""
+        refuse_direct_calls(name, engine)
         self.engines[name] = engine
         watch_phases(engine)
         self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
@@ -114,6 +116,7 @@ def build_engines(
     overrides: Mapping[str, Mapping[str, Any]],
     precision: str,
     device_type: str = "cpu",
+    agree: Callable[[BaseException | None], None] = lambda error: None,
 ) -> EngineSet:
     """Build the engines of ``module``: trainable ones first, in ``self.optimizers()`` order, then frozen ones.
 
@@ -122,6 +125,9 @@ def build_engines(
       optimizer (and the config's ``scheduler``); these come after the ``configure_optimizers`` ones;
     * any other submodule named in ``engines`` becomes a frozen (inference) engine;
     * submodules with neither an optimizer nor an entry stay plain modules on the device.
+
+    ``agree(error_or_None)`` is called on every rank before the first collective; it must raise on every
+    rank if any rank passed an error.
     """
 
     def config_of(name: str) -> dict[str, Any]:
@@ -136,17 +142,40 @@ def build_engines(
             device_type=device_type,
         )
 
-    micro = micro_batch_size(trainer)
-    _unpartition_children(module, keep=lambda name: _stage(config_of(name)) == 3)
-    named = {name: config_of(name) for name in overrides}
-    from_config = [name for name, config in named.items() if "optimizer" in config]
-    optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
-    matched = match_optimizers(module, optimizers)
-    manual = not module.automatic_optimization
+    # Everything up to the first DeepSpeed collective runs user hooks and validation locally; the ranks then
+    # agree on whether any of them failed, so that a failure on one rank stops all (DeepSpeed's first
+    # collective, a store-based barrier in new_group, would otherwise wait for the failed rank for 30 minutes).
+    try:
+        micro = micro_batch_size(trainer)
+        loader_batch = micro if trainer.fit_loop._data_source.is_defined() else None
+        for name in {*overrides, *[n for n, _ in module.named_children()]}:
+            check_batch_settings(name, merge(default, overrides.get(name, {})), loader_batch, trainer.world_size)
+        named = {name: config_of(name) for name in overrides}
+        keep = {name for name, _ in module.named_children() if _stage(named.get(name) or config_of(name)) == 3}
+    except Exception as error:
+        agree(error)
+        raise
+    agree(None)
+    _unpartition_children(module, keep=keep.__contains__)
+    try:
+        from_config = [name for name, config in named.items() if "optimizer" in config]
+        optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
+        matched = match_optimizers(module, optimizers)
+        manual = not module.automatic_optimization
+        for name in matched:
+            _check_one_optimizer(name, named.get(name) or config_of(name))
+        frozen = {
+            name: frozen_config(name, config, overrides[name])
+            for name, config in named.items()
+            if name not in matched and name not in from_config
+        }
+    except Exception as error:
+        agree(error)
+        raise
+    agree(None)
     result = EngineSet()
     for name, index in matched.items():
         config = named.get(name) or config_of(name)
-        _check_one_optimizer(name, config)
         optimizer = optimizers[index]
         scheduler_config = scheduler_for(scheduler_configs, optimizer)
         params = [list(group["params"]) for group in optimizer.param_groups]
@@ -165,11 +194,12 @@ def build_engines(
         result.add_trainable(name, engine, engine.basic_optimizer, [trainable])
         if engine.lr_scheduler is not None:
             result.scheduler_configs.append(_config_scheduler(name, engine, manual))
-    for name, config in named.items():
-        if name not in result.engines:
-            frozen = frozen_config(name, config, overrides[name])
-            result.engines[name] = build_frozen_engine(getattr(module, name), frozen)
+    for name, config in frozen.items():
+        result.engines[name] = build_frozen_engine(getattr(module, name), config)
+        refuse_direct_calls(name, result.engines[name])
     _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
+    for optimizer in result.optimizers:
+        optimizer.manual = manual
     return result
 
 
@@ -185,6 +215,29 @@ def _unpartition_children(module: pl.LightningModule, keep: Callable[[str], bool
     for name, child in module.named_children():
         if is_partitioned(child) and not keep(name):
             unpartition(child)
+
+
+def check_batch_settings(name: str, config: Mapping[str, Any], loader_batch: int | None, world_size: int) -> None:
+    """Raise if the engine's batch-size settings contradict the training dataloader.
+
+    Gradient accumulation is owned by the loop here, so a DeepSpeed batch is one dataloader batch per
+    process: ``train_micro_batch_size_per_gpu`` must equal it and ``train_batch_size`` be it times the ranks.
+    """
+    if loader_batch is None:
+        return
+    micro = config.get("train_micro_batch_size_per_gpu")
+    total = config.get("train_batch_size")
+    if micro is not None and micro != loader_batch:
+        setting, expected = f"train_micro_batch_size_per_gpu={micro}", loader_batch
+    elif total is not None and total != loader_batch * world_size:
+        setting, expected = f"train_batch_size={total}", loader_batch * world_size
+    else:
+        return
+    raise ValueError(
+        f"The DeepSpeed config for the engine {name!r} sets {setting}, but the training dataloader gives "
+        f"{loader_batch} samples per process on {world_size} processes ({expected} here). Remove the setting (it is "
+        "derived from the dataloader) or change the dataloader's batch size."
+    )
 
 
 def micro_batch_size(trainer: pl.Trainer) -> int:
@@ -222,6 +275,12 @@ def collect_optimizers(
     total = len(optimizers) + num_config_optimizers
     if total > 1 and module.automatic_optimization:
         module.automatic_optimization = False
+        if module.automatic_optimization:
+            raise ValueError(
+                f"`{type(module).__name__}` has {total} trainable engines but keeps `automatic_optimization` True. "
+                "Lightning's automatic loop steps one optimizer; remove the `automatic_optimization` override "
+                "(MultiDeepSpeedStrategy switches to manual optimization) and step each optimizer in `training_step`."
+            )
         rank_zero_info(
             f"MultiDeepSpeedStrategy: {total} trainable engines, so `{type(module).__name__}` runs manual "
             "optimization: call `self.manual_backward(loss)` and `opt.step()` in `training_step`."

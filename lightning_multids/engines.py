@@ -195,3 +195,20 @@ def unpartition(module: nn.Module) -> None:
                 if param is not None and hasattr(param, "ds_id"):
                     whole = nn.Parameter(param.data.clone(), requires_grad=param.requires_grad)
                     child._parameters[name] = whole
+
+
+def refuse_direct_calls(name: str, engine: DeepSpeedEngine) -> None:
+    """Make calling the engine itself (``engine(x)``) an error that points to the submodule.
+
+    ``DeepSpeedEngine.forward`` registers DeepSpeed's own backward hooks on the outputs, which run a
+    second prologue beside the strategy's routing and leave the engine's backward state broken.
+    """
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"The DeepSpeed engine {name!r} was called directly. Call the submodule instead (`self.{name}(x)` in "
+            "the LightningModule): MultiDeepSpeedStrategy routes each backward through the engines itself, and "
+            "`engine(x)` would add DeepSpeed's own backward hooks beside it."
+        )
+
+    engine.forward = forward  # type: ignore[method-assign]

@@ -10,7 +10,7 @@ from deepspeed import DeepSpeedEngine
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_multids.sync import clear_gradients, set_gradient_clipping
+from lightning_multids.sync import NonFiniteWatch, clear_gradients, set_gradient_clipping
 
 
 class _GroupView(MutableMapping):
@@ -80,6 +80,9 @@ class EngineOptimizer(Optimizer):
         self.has_gradients = False
         """Whether a backward reached the engine since its last step or ``zero_grad``."""
         self._configured_clipping: float | None = None
+        self.manual = True
+        """Whether the module runs manual optimization (set by the strategy)."""
+        self._nonfinite = NonFiniteWatch(engine)
 
     @property
     def param_groups(self) -> list[MutableMapping]:  # type: ignore[override]
@@ -94,27 +97,49 @@ class EngineOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` if given (automatic optimization), then step the engine.
 
-        Without a gradient since the last step or ``zero_grad`` (no backward reached the engine, or
-        ``training_step`` returned ``None``) nothing is stepped, as ``torch.optim`` skips parameters
-        without gradients; DeepSpeed would otherwise apply momentum to zero gradients.
+        Without a gradient since the last step or ``zero_grad``: in manual optimization this is an error
+        (nothing would train); in automatic optimization (``training_step`` returned ``None``) the step is
+        skipped, as Lightning does. A NaN or inf gradient refuses the step on every rank.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if not self.has_gradients:
-            rank_zero_warn(
-                f"`opt.step()` of engine {self.name!r} ran with no gradient since its last step or `zero_grad()`: "
-                "the step is skipped. Call `self.manual_backward(loss)` on a loss that reaches this engine first."
-            )
-            return loss
+            self._refuse_empty_step()
+            return loss  # automatic optimization: training_step returned None, Lightning skips the step
+        self._refuse_nonfinite_step()
+        skipped = self.engine.skipped_steps
         self.engine.step()
-        clear_gradients(self.engine)  # DeepSpeed clears param.grad; also drop what its partitions still hold
-        self.has_gradients = False
+        if self.engine.skipped_steps > skipped:
+            rank_zero_warn(
+                f"Engine {self.name!r} skipped its step {self.engine.global_steps}: the fp16 gradients overflowed; "
+                "DeepSpeed lowered the loss scale."
+            )
+        self.zero_grad()  # DeepSpeed clears param.grad; also drop what its partitions still hold
         if self._configured_clipping is not None:
             set_gradient_clipping(self.engine, self._configured_clipping)
             self._configured_clipping = None
         return loss
+
+    def _refuse_empty_step(self) -> None:
+        if self.manual:
+            raise ValueError(
+                f"`opt.step()` of engine {self.name!r} was called with no gradient since its last step or "
+                "`zero_grad()`: no `self.manual_backward(loss)` reached this engine, so the step would do nothing. "
+                "Call `self.manual_backward(loss)` on a loss computed from this submodule first, and `zero_grad()` "
+                "before the backward, not between the backward and the step."
+            )
+
+    def _refuse_nonfinite_step(self) -> None:
+        if self._nonfinite.found():
+            self.zero_grad()
+            raise FloatingPointError(
+                f"A gradient of engine {self.name!r} is NaN or infinite at its step {self.engine.global_steps + 1} "
+                f"(on at least one rank). The step was not applied, so the weights of {self.name!r} and of every "
+                "other engine are unchanged. Look for a NaN or inf in the loss or in the inputs of this engine, or "
+                "lower the learning rate; with fp16, DeepSpeed's loss scaler skips such steps on its own."
+            )
 
     def clip_next_step(self, max_norm: float) -> None:
         """Clip this engine's gradients to global norm ``max_norm`` in its next ``step()`` only.
@@ -129,6 +154,7 @@ class EngineOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this engine's gradients, local and already reduced."""
         clear_gradients(self.engine)
+        self._nonfinite.reset()
         self.has_gradients = False
 
     def __repr__(self) -> str:

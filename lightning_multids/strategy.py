@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,6 +31,7 @@ from lightning_multids.engines import check_engine_names, zero3_init
 from lightning_multids.precision import EnginePrecision
 
 log = logging.getLogger(__name__)
+_COLLECTIVE_FAILURE = re.compile(r"Connection (closed|reset)|gloo|NCCL|Broken pipe", re.IGNORECASE)
 
 
 class MultiDeepSpeedStrategy(DDPStrategy):
@@ -137,10 +140,25 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 overrides=self.engine_overrides,
                 precision=str(self.precision_plugin.precision),
                 device_type=self.root_device.type,
+                agree=self._agree_on_failure,
             )
             self.optimizers = list[Optimizer](self._engine_set.optimizers)
             self.lr_scheduler_configs = self._engine_set.scheduler_configs
         self.setup_precision_plugin()
+
+    def _agree_on_failure(self, error: BaseException | None) -> None:
+        """Tell every rank whether any rank failed; raise on the ranks that did not (the failed one re-raises)."""
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return
+        failed = torch.zeros(self.world_size, device=self.root_device)
+        failed[self.global_rank] = float(error is not None)
+        torch.distributed.all_reduce(failed)
+        ranks = [rank for rank, flag in enumerate(failed.tolist()) if flag]
+        if ranks and error is None:
+            raise RuntimeError(
+                f"MultiDeepSpeedStrategy: rank(s) {ranks} failed while setting up the engines (their output says why); "
+                f"rank {self.global_rank} stops too instead of waiting for them."
+            )
 
     def _default_config(self, trainer: pl.Trainer) -> dict[str, Any]:
         clip = trainer.gradient_clip_val
@@ -293,6 +311,23 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing here: :meth:`load_checkpoint` restored each engine's optimizer state."""
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Say which rank failed and why, on that rank's stderr, before Lightning tears down.
+
+        The process then exits; the other ranks' pending collectives fail as soon as its connections
+        close, so they stop too (tested: all exit non-zero within seconds, no hang).
+        """
+        broken = isinstance(exception, RuntimeError) and _COLLECTIVE_FAILURE.search(str(exception))
+        reason = "a collective failed, most likely because another rank stopped (see its output)" if broken else ""
+        print(
+            f"[rank {self.global_rank}] MultiDeepSpeedStrategy: {type(exception).__name__}: {exception}"
+            + (f" -- {reason}" if reason else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        super().on_exception(exception)
 
     @classmethod
     @override

@@ -19,6 +19,8 @@ generator's backward puts gradients on the discriminator that the user then clea
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
@@ -57,3 +59,36 @@ def set_gradient_clipping(engine: DeepSpeedEngine, max_norm: float) -> None:
     engine._config.gradient_clipping = float(max_norm)
     if hasattr(engine.optimizer, "clip_grad"):
         engine.optimizer.clip_grad = float(max_norm)
+
+
+class NonFiniteWatch:
+    """Notices a NaN or inf gradient of an engine before DeepSpeed reduces it, without a sync per backward.
+
+    A tensor hook on every trainable parameter ORs "this gradient has a non-finite value" into one flag;
+    :meth:`found` reads the flag once per step and agrees on it across ranks, so every rank refuses the
+    same step. fp16 engines are not watched: DeepSpeed's loss scaler already skips overflowing steps.
+    """
+
+    def __init__(self, engine: DeepSpeedEngine) -> None:
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        self.flag = torch.zeros((), dtype=torch.bool, device=params[0].device if params else "cpu")
+        self.enabled = not engine.fp16_enabled()
+        if self.enabled:
+            for param in params:
+                param.register_hook(self._check)
+
+    def _check(self, grad: torch.Tensor) -> None:
+        self.flag.logical_or_(~torch.isfinite(grad).all())
+
+    def found(self) -> bool:
+        """Whether any rank saw a non-finite gradient since the last :meth:`reset`; a collective call."""
+        if not self.enabled:
+            return False
+        found = self.flag.to(torch.int32)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found.item())
+
+    def reset(self) -> None:
+        """Forget what was seen (the gradients were cleared)."""
+        self.flag.zero_()

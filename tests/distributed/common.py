@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,8 +12,19 @@ QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": 
 
 
 def cpu_trainer(strategy: pl.strategies.Strategy, **kwargs: Any) -> pl.Trainer:
-    """A Trainer on 2 CPU processes with ``strategy``, no logger, progress bar or summary; ``kwargs`` win."""
-    options: dict[str, Any] = {"accelerator": "cpu", "devices": 2, "max_epochs": 1, **QUIET}
+    """A Trainer on 2 CPU processes with ``strategy``, no logger, progress bar or summary; ``kwargs`` win.
+
+    With ``TEST_NUM_NODES=2`` in the environment (see ``harness.run_ranks(nodes=2)``) the 2 processes are
+    2 nodes of 1 process each.
+    """
+    nodes = int(os.environ.get("TEST_NUM_NODES", "1"))
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 2 // nodes,
+        "num_nodes": nodes,
+        "max_epochs": 1,
+        **QUIET,
+    }
     options.update(kwargs)
     return pl.Trainer(strategy=strategy, **options)
 
@@ -23,3 +35,10 @@ def sharded_loader(module: pl.LightningModule, data: torch.Tensor, batch_size: i
         data, num_replicas=module.trainer.world_size, rank=module.global_rank, shuffle=False
     )
     return torch.utils.data.DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+
+def finish() -> None:
+    """End a runner cleanly: wait for every rank, then shut the process group down before the interpreter exits."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

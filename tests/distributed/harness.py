@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,43 +23,49 @@ def free_port() -> int:
 
 
 def run_ranks(
-    script: Path, *args: str, world_size: int = 2, timeout: float = 300.0, env: dict[str, str] | None = None
+    script: Path,
+    *args: str,
+    world_size: int = 2,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    nodes: int = 1,
 ) -> list[str]:
-    """Run ``script args`` once per rank (with extra ``env``); return each rank's output, or fail with it."""
+    """Run ``script args`` once per rank (with extra ``env``); return each rank's output, or fail with it.
+
+    With ``nodes=2`` each process is its own node (``NODE_RANK`` 0 and 1, ``LOCAL_RANK`` 0), as two
+    machines would be launched, over loopback.
+    """
     port = str(free_port())
     extra_env = env or {}
-    procs = []
+    procs, logs = [], []
     for rank in range(world_size):
         env = dict(os.environ)
         env.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
             WORLD_SIZE=str(world_size),
-            NODE_RANK="0",
-            LOCAL_RANK=str(rank),
+            NODE_RANK=str(rank if nodes > 1 else 0),
+            LOCAL_RANK=str(0 if nodes > 1 else rank),
+            TEST_NUM_NODES=str(nodes),
             PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
             OMP_NUM_THREADS="1",
         )
         env.update(extra_env)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=REPO,
-            )
-        )
-    outputs = []
+        log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the rank writing to it  # noqa: SIM115 (closed after the ranks exit)
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log, stderr=log, cwd=REPO))
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            outputs.append(out)
+            proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
         raise AssertionError(f"{script.name} {' '.join(args)}: a rank did not finish within {timeout} s") from None
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
     for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         if proc.returncode != 0:
             raise AssertionError(f"rank {rank} of {script.name} exited with {proc.returncode}:\n{out[-6000:]}")

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.common import cpu_trainer
+from tests.distributed.common import cpu_trainer, finish
 
 warnings.filterwarnings("ignore")
 
@@ -129,3 +129,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

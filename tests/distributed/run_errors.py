@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -10,7 +11,7 @@ import torch
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.common import cpu_trainer
+from tests.distributed.common import cpu_trainer, finish, sharded_loader
 
 warnings.filterwarnings("ignore")
 
@@ -26,8 +27,8 @@ class GAN(pl.LightningModule):
         return self.step(self, batch)
 
     def configure_optimizers(self) -> object:
-        g = torch.optim.SGD(self.generator.parameters(), lr=0.1)
-        d = torch.optim.SGD(self.discriminator.parameters(), lr=0.1)
+        g = patterns.make_optimizer("sgd", self.generator.parameters())
+        d = patterns.make_optimizer("sgd", self.discriminator.parameters())
         if self.which == "none":
             return None
         if self.which == "spanning":
@@ -61,6 +62,35 @@ def steps_scheduler(module: GAN, batch: torch.Tensor) -> None:
     module.lr_schedulers().step()
 
 
+def calls_engine(module: GAN, batch: torch.Tensor) -> None:
+    real, z = patterns.split(batch)
+    module.trainer.strategy.engines["generator"](z)
+
+
+def steps_without_backward(module: GAN, batch: torch.Tensor) -> None:
+    opt_g, _ = module.optimizers()
+    opt_g.step()
+
+
+def nan_in_discriminator(module: GAN, batch: torch.Tensor) -> None:
+    """gan_zero_first, with a NaN in the discriminator's loss on rank 1 from the second batch on."""
+    opt_g, opt_d = module.optimizers()
+    if module.global_rank == 1 and module.trainer.global_step >= 2:
+        batch = batch.clone()
+        batch[0, 0] = float("nan")  # a real sample: only the discriminator sees it
+    patterns.gan_zero_first(module.generator, module.discriminator, batch, opt_g, opt_d, module.manual_backward)
+
+
+class ForcedAutomatic(GAN):
+    @property
+    def automatic_optimization(self) -> bool:
+        return True
+
+    @automatic_optimization.setter
+    def automatic_optimization(self, value: bool) -> None:
+        pass
+
+
 SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "no_optimizer": (lambda: GAN(optimizers="none"), {}),
     "spanning_optimizer": (lambda: GAN(optimizers="spanning"), {}),
@@ -74,6 +104,13 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
     "detached_loss": (lambda: GAN(detached_loss), {}),
     "scheduler_stepped_by_user": (lambda: GAN(steps_scheduler, "scheduled"), {}),
+    "forced_automatic": (lambda: ForcedAutomatic(returns_loss), {}),
+    "batch_contradiction": (
+        lambda: GAN(returns_loss),
+        {"engines": {"generator": {"train_micro_batch_size_per_gpu": 16}}},
+    ),
+    "engine_called_directly": (lambda: GAN(calls_engine), {}),
+    "step_without_backward": (lambda: GAN(steps_without_backward), {}),
 }
 
 
@@ -86,7 +123,23 @@ def main() -> None:
             print(f"RESULT {name}: {err}".replace("\n", " "), flush=True)
         else:
             print(f"RESULT {name}: no error", flush=True)
+    nan_run()
+
+
+def nan_run() -> None:
+    """A NaN reaches the discriminator on one rank: every rank refuses that step; no weights change."""
+    module = GAN(nan_in_discriminator)
+    trainer = cpu_trainer(MultiDeepSpeedStrategy(stage=2), enable_checkpointing=False, use_distributed_sampler=False)
+    module.train_dataloader = lambda: sharded_loader(module, patterns.make_batches(2))  # type: ignore[method-assign]
+    try:
+        trainer.fit(module)
+    except FloatingPointError as err:
+        print(f"RESULT nan_gradient: {err}".replace("\n", " "), flush=True)
+    weights = trainer.strategy.consolidated_state_dict()
+    if trainer.global_rank == 0:
+        torch.save(weights, sys.argv[1])
 
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -15,7 +15,7 @@ import torch
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.common import cpu_trainer, sharded_loader
+from tests.distributed.common import cpu_trainer, finish, sharded_loader
 
 warnings.filterwarnings("ignore")
 
@@ -101,3 +101,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.common import cpu_trainer
+from tests.distributed.common import cpu_trainer, finish
 
 warnings.filterwarnings("ignore")
 WIDTH, LAYERS = 1024, 16  # about 16.8M parameters, 67 MB in fp32
@@ -79,3 +79,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

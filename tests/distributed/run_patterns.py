@@ -16,7 +16,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.common import cpu_trainer, sharded_loader
+from tests.distributed.common import cpu_trainer, finish, sharded_loader
 
 warnings.filterwarnings("ignore")
 
@@ -111,3 +111,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

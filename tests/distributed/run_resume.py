@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.common import cpu_trainer, sharded_loader
+from tests.distributed.common import cpu_trainer, finish, sharded_loader
 
 warnings.filterwarnings("ignore")
 BATCHES = 2  # per epoch and rank
@@ -100,3 +100,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

@@ -6,7 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests import patterns
 from tests.distributed.harness import run_ranks
 
 EXPECTED = {
@@ -19,12 +21,21 @@ EXPECTED = {
     "returned_loss_in_manual": r"returned a loss but called no `self.manual_backward`.*'generator', 'discriminator'",
     "detached_loss": r"reaches no trainable engine",
     "scheduler_stepped_by_user": r"scheduler of engine 'generator' is stepped by its optimizer",
+    "forced_automatic": r"2 trainable engines but keeps `automatic_optimization` True.*remove the",
+    "batch_contradiction": r"engine 'generator' sets train_micro_batch_size_per_gpu=16.*gives 4 samples per process",
+    "engine_called_directly": r"engine .generator. was called directly. Call the submodule instead \(`self.gen",
+    "step_without_backward": r"`opt.step\(\)` of engine 'generator' was called with no gradient.*manual_backward",
 }
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[int, dict[str, str]]:
-    outputs = run_ranks(Path(__file__).with_name("run_errors.py"), timeout=300)
+def weights_after_nan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("nan") / "weights.pt"
+
+
+@pytest.fixture(scope="module")
+def results(weights_after_nan: Path) -> dict[int, dict[str, str]]:
+    outputs = run_ranks(Path(__file__).with_name("run_errors.py"), str(weights_after_nan), timeout=300)
     parsed = {}
     for rank, out in enumerate(outputs):
         parsed[rank] = dict(re.findall(r"^RESULT (\w+): (.*)$", out, flags=re.M))
@@ -36,3 +47,16 @@ def test_scenario_raises_a_clear_error_on_every_rank(results: dict[int, dict[str
     for rank, messages in results.items():
         assert scenario in messages, f"rank {rank} did not run {scenario}"
         assert re.search(EXPECTED[scenario], messages[scenario]), f"rank {rank}: {messages[scenario]}"
+
+
+def test_nan_gradient_in_one_engine_is_reported_and_changes_no_weights(
+    results: dict[int, dict[str, str]], weights_after_nan: Path
+) -> None:
+    """Rank 1 feeds a NaN to the discriminator at its second step: both ranks refuse that step."""
+    for rank, messages in results.items():
+        assert re.search(r"engine 'discriminator' is NaN or infinite at its step 2", messages["nan_gradient"]), rank
+    # The refused step changed nothing: both engines hold the weights of one good GAN step.
+    expected = patterns.reference("gan_zero_first", "sgd", 1)
+    weights = torch.load(weights_after_nan)
+    for key, value in expected.items():
+        assert torch.allclose(weights[key], value, atol=1e-5), key

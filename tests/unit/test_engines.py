@@ -184,3 +184,14 @@ def test_each_engine_receives_gradients_at_its_own_loss_scale() -> None:
             torch.testing.assert_close(param.grad, grad * own)
     third(second(first(x))).sum().backward()  # hooks are gone afterwards: plain gradients accumulate
     torch.testing.assert_close(third.bias.grad, expected["c"][-1] * 2, rtol=1e-6, atol=1e-6)
+
+
+def test_clipping_by_value_in_manual_optimization_is_refused() -> None:
+    from lightning_multids.optimizer import EngineOptimizer
+    from lightning_multids.precision import EnginePrecision
+
+    module = nn.Linear(2, 2)
+    engine = SimpleNamespace(module=module, fp16_enabled=lambda: False)
+    optimizer = EngineOptimizer("critic", engine, sgd(*module.parameters()), [list(module.parameters())])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"engine 'critic' by value is not available.*gradient_clip_algorithm='norm'"):
+        EnginePrecision().clip_gradients(optimizer, 0.5, "value")  # type: ignore[arg-type]

@@ -1,0 +1,66 @@
+"""No hang when a rank fails; the same weights from 2 nodes x 1 process as from 1 node x 2 processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import patterns
+from tests.distributed.harness import REPO, free_port, run_ranks
+
+RUNNER = Path(__file__).with_name("run_failure.py")
+
+
+@pytest.mark.parametrize("mode", ["step", "setup"])
+def test_a_failing_rank_stops_every_rank_within_60_seconds(tmp_path: Path, mode: str) -> None:
+    """The clock starts when the first process exits (start-up may include DeepSpeed's one-time op build)."""
+    port, procs, logs = str(free_port()), [], [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
+    for rank in (0, 1):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", NODE_RANK="0")
+        env.update(LOCAL_RANK=str(rank), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        with logs[rank].open("w") as log:  # a file, not a pipe: a full pipe would block the process
+            procs.append(
+                subprocess.Popen([sys.executable, str(RUNNER), mode], env=env, cwd=REPO, stdout=log, stderr=log)
+            )
+    try:
+        first_exit = wait_until(lambda: any(p.poll() is not None for p in procs), timeout=300)
+        assert first_exit, "no rank stopped within 300 s of start"
+        all_exited = wait_until(lambda: all(p.poll() is not None for p in procs), timeout=60)
+        assert all_exited, "a rank was still running 60 s after another stopped: a hang"
+    finally:
+        for proc in procs:
+            proc.kill()
+    outputs = [log.read_text() for log in logs]
+    assert all(proc.returncode != 0 for proc in procs), [proc.returncode for proc in procs]
+    assert "[rank 1] MultiDeepSpeedStrategy: RuntimeError: rank 1 failed on purpose" in outputs[1]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return condition()
+
+
+def test_two_nodes_of_one_process_match_one_node_of_two(tmp_path: Path) -> None:
+    names = ("gan_toggle", "accumulate")
+    runner = Path(__file__).with_name("run_patterns.py")
+    results = {}
+    for nodes in (1, 2):
+        out = tmp_path / f"nodes{nodes}.pt"
+        run_ranks(runner, str(out), "2", "sgd", "4", "32-true", *names, nodes=nodes)
+        results[nodes] = torch.load(out)
+    for name in names:
+        expected = patterns.reference(name, "sgd", 4)
+        for key, value in results[2][name]["weights"].items():
+            torch.testing.assert_close(value, results[1][name]["weights"][key], rtol=0, atol=1e-6)
+            torch.testing.assert_close(value, expected[key], rtol=0, atol=1e-5)
