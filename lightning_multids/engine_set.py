@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,81 +127,104 @@ def build_engines(
     * any other submodule named in ``engines`` becomes a frozen (inference) engine;
     * submodules with neither an optimizer nor an entry stay plain modules on the device.
 
-    ``agree(error_or_None)`` is called on every rank before the first collective; it must raise on every
-    rank if any rank passed an error.
+    User hooks and checks run locally first; ``agree(error_or_None)`` is then called on every rank, and must
+    raise on every rank if any rank passed an error. DeepSpeed's first collective (a store barrier in
+    ``new_group``) would otherwise wait 30 minutes for a rank that failed.
     """
-
-    def config_of(name: str) -> dict[str, Any]:
-        override = overrides.get(name, {})
-        return engine_config(
-            name,
-            stage=stage,
-            default=default,
-            override=override,
-            precision=precision,
-            micro_batch_size=micro,
-            device_type=device_type,
-        )
-
-    # Everything up to the first DeepSpeed collective runs user hooks and validation locally; the ranks then
-    # agree on whether any of them failed, so that a failure on one rank stops all (DeepSpeed's first
-    # collective, a store-based barrier in new_group, would otherwise wait for the failed rank for 30 minutes).
-    try:
+    with _agreed(agree):
         micro = micro_batch_size(trainer)
-        loader_batch = micro if trainer.fit_loop._data_source.is_defined() else None
-        for name in {*overrides, *[n for n, _ in module.named_children()]}:
-            check_batch_settings(name, merge(default, overrides.get(name, {})), loader_batch, trainer.world_size)
-        named = {name: config_of(name) for name in overrides}
-        keep = {name for name, _ in module.named_children() if _stage(named.get(name) or config_of(name)) == 3}
-    except Exception as error:
-        agree(error)
-        raise
-    agree(None)
-    _unpartition_children(module, keep=keep.__contains__)
-    try:
-        from_config = [name for name, config in named.items() if "optimizer" in config]
-        optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
-        matched = match_optimizers(module, optimizers)
-        manual = not module.automatic_optimization
-        for name in matched:
-            _check_one_optimizer(name, named.get(name) or config_of(name))
-        frozen = {
-            name: frozen_config(name, config, overrides[name])
-            for name, config in named.items()
-            if name not in matched and name not in from_config
+        configs = {
+            name: engine_config(
+                name,
+                stage=stage,
+                default=default,
+                override=overrides.get(name, {}),
+                precision=precision,
+                micro_batch_size=micro,
+                device_type=device_type,
+            )
+            for name in {*overrides, *(name for name, _ in module.named_children())}
         }
-    except Exception as error:
-        agree(error)
-        raise
-    agree(None)
+        loader_batch = micro if trainer.fit_loop._data_source.is_defined() else None
+        for name in configs:
+            check_batch_settings(name, merge(default, overrides.get(name, {})), loader_batch, trainer.world_size)
+    _unpartition_children(module, keep=lambda name: _stage(configs[name]) == 3)
+    with _agreed(agree):
+        plan = _plan(trainer, module, configs, overrides)
     result = EngineSet()
-    for name, index in matched.items():
-        config = named.get(name) or config_of(name)
-        optimizer = optimizers[index]
-        scheduler_config = scheduler_for(scheduler_configs, optimizer)
-        params = [list(group["params"]) for group in optimizer.param_groups]
-        # Manual optimization: the engine steps its scheduler in step(). Automatic: Lightning steps it,
-        # by its interval, as with Lightning's DeepSpeedStrategy.
-        engine_scheduler = scheduler_config.scheduler if manual and scheduler_config is not None else None
-        engine = build_engine(getattr(module, name), config, optimizer, engine_scheduler)
-        result.add_trainable(name, engine, optimizer, params)
-        if scheduler_config is not None:
-            result.scheduler_configs.append(_visible_scheduler(name, scheduler_config, manual))
-    for name in from_config:
-        if name in matched:
-            continue
-        trainable = [p for p in getattr(module, name).parameters() if p.requires_grad]
-        engine = build_engine(getattr(module, name), named[name])
-        result.add_trainable(name, engine, engine.basic_optimizer, [trainable])
-        if engine.lr_scheduler is not None:
-            result.scheduler_configs.append(_config_scheduler(name, engine, manual))
-    for name, config in frozen.items():
+    _build_trainable(result, module, plan, configs)
+    for name, config in plan.frozen.items():
         result.engines[name] = build_frozen_engine(getattr(module, name), config)
         refuse_direct_calls(name, result.engines[name])
     _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
-    for optimizer in result.optimizers:
-        optimizer.manual = manual
     return result
+
+
+@dataclass
+class _Plan:
+    """What ``configure_optimizers`` and the configs decide, before any engine exists."""
+
+    optimizers: list[Optimizer]
+    scheduler_configs: list[LRSchedulerConfig]
+    matched: dict[str, int]
+    from_config: list[str]
+    frozen: dict[str, dict[str, Any]]
+    manual: bool
+
+
+def _plan(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    configs: Mapping[str, dict[str, Any]],
+    overrides: Mapping[str, Mapping[str, Any]],
+) -> _Plan:
+    from_config = [name for name in overrides if "optimizer" in configs[name]]
+    optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
+    matched = match_optimizers(module, optimizers)
+    for name in matched:
+        _check_one_optimizer(name, configs[name])
+    frozen = {
+        name: frozen_config(name, configs[name], overrides[name])
+        for name in overrides
+        if name not in matched and name not in from_config
+    }
+    manual = not module.automatic_optimization
+    return _Plan(optimizers, scheduler_configs, matched, from_config, frozen, manual)
+
+
+def _build_trainable(
+    result: EngineSet, module: pl.LightningModule, plan: _Plan, configs: Mapping[str, dict[str, Any]]
+) -> None:
+    for name, index in plan.matched.items():
+        optimizer = plan.optimizers[index]
+        scheduler_config = scheduler_for(plan.scheduler_configs, optimizer)
+        params = [list(group["params"]) for group in optimizer.param_groups]
+        # Manual optimization: the engine steps its scheduler in step(). Automatic: Lightning steps it,
+        # by its interval, as with Lightning's DeepSpeedStrategy.
+        engine_scheduler = scheduler_config.scheduler if plan.manual and scheduler_config is not None else None
+        engine = build_engine(getattr(module, name), configs[name], optimizer, engine_scheduler)
+        result.add_trainable(name, engine, optimizer, params)
+        if scheduler_config is not None:
+            result.scheduler_configs.append(_visible_scheduler(name, scheduler_config, plan.manual))
+    for name in plan.from_config:
+        trainable = [p for p in getattr(module, name).parameters() if p.requires_grad]
+        engine = build_engine(getattr(module, name), configs[name])
+        result.add_trainable(name, engine, engine.basic_optimizer, [trainable])
+        if engine.lr_scheduler is not None:
+            result.scheduler_configs.append(_config_scheduler(name, engine, plan.manual))
+    for optimizer in result.optimizers:
+        optimizer.manual = plan.manual
+
+
+@contextmanager
+def _agreed(agree: Callable[[BaseException | None], None]) -> Iterator[None]:
+    """Run local work, then tell ``agree`` whether it failed (``agree`` raises if any rank's did)."""
+    try:
+        yield
+    except Exception as error:
+        agree(error)
+        raise
+    agree(None)
 
 
 def _stage(config: Mapping[str, Any]) -> int:
