@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/gan.py
+	$(VENV)/bin/lightning-multids fit --config configs/gan.yaml
 
 test: lint typecheck
 	$(PY) -m pytest tests

@@ -1,44 +1,27 @@
-"""A GAN on scikit-learn's 8x8 digits with a generator engine and a discriminator engine.
+"""A GAN on scikit-learn's 8x8 digits: a generator engine and a discriminator engine.
 
-Run on 2 CPU processes (Lightning starts the second one)::
+Run it through the CLI on 2 CPU processes (Lightning starts the second one)::
 
-    python examples/gan.py
+    lightning-multids fit --config configs/gan.yaml
 
-The generator trains under ZeRO-1 and the discriminator under ZeRO-2: one DeepSpeed engine each.
+The generator trains under ZeRO-1 and the discriminator under ZeRO-2 (``configs/ds/``). Each validation
+epoch logs the Kernel Inception Distance between generated and held-out digits, measured in the feature
+space of a small digit classifier (:mod:`examples.digits`), and a grid of samples to TensorBoard.
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
 from PIL import Image
-from sklearn.datasets import load_digits
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.image.kid import KernelInceptionDistance
 
-from lightning_multids import MultiDeepSpeedStrategy
-
-IMAGE = 8 * 8
-
-
-class DigitsDataModule(pl.LightningDataModule):
-    """The 1,797 digit images that ship with scikit-learn, scaled to [-1, 1], with their labels."""
-
-    def __init__(self, batch_size: int = 64) -> None:
-        super().__init__()
-        self.batch_size = batch_size
-
-    def setup(self, stage: str) -> None:
-        digits = load_digits()
-        images = torch.tensor(digits.data, dtype=torch.float32) / 8.0 - 1.0
-        self.train_set = TensorDataset(images, torch.tensor(digits.target))
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+from examples.digits import IMAGE, load_features
 
 
 class Generator(nn.Module):
@@ -57,9 +40,9 @@ class Generator(nn.Module):
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         return self.net(z)
 
-    def sample(self, n: int, device: torch.device) -> torch.Tensor:
-        """``n`` generated images (n x 64) from fresh noise."""
-        return self(torch.randn(n, self.latent_dim, device=device))
+    def sample(self, n: int, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``n`` generated images (n x 64) from fresh noise (from ``generator`` when given)."""
+        return self(torch.randn(n, self.latent_dim, generator=generator).to(device))
 
 
 class Discriminator(nn.Module):
@@ -78,13 +61,22 @@ class Discriminator(nn.Module):
 
 
 class DigitsGAN(pl.LightningModule):
-    """Two submodules, two optimizers: the strategy builds two engines and runs manual optimization."""
+    """Two submodules, two optimizers: the strategy builds two engines and runs manual optimization.
 
-    def __init__(self, latent_dim: int = 16, lr: float = 1e-3) -> None:
+    Args:
+        latent_dim: the size of the generator's noise.
+        lr: Adam's learning rate for both engines.
+        grid_size: how many samples the image grid logged each validation epoch shows.
+    """
+
+    def __init__(self, latent_dim: int = 16, lr: float = 1e-3, grid_size: int = 64) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.generator = Generator(latent_dim)
         self.discriminator = Discriminator()
+        # A plain submodule (no optimizer, no engine): KID in a digit classifier's feature space.
+        self.kid = KernelInceptionDistance(feature=load_features(), subsets=20, subset_size=100)
+        self.samples_png: Path | None = None
 
     def on_train_start(self) -> None:
         torch.manual_seed(1234 + self.global_rank)  # different noise on each rank
@@ -111,7 +103,24 @@ class DigitsGAN(pl.LightningModule):
             self.manual_backward(g_loss)
             opt_g.step()
 
-        self.log_dict({"d_loss": d_loss, "g_loss": g_loss}, prog_bar=True, sync_dist=True)
+        self.log_dict({"train/d_loss": d_loss, "train/g_loss": g_loss}, prog_bar=True, sync_dist=True)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        real, _ = batch
+        self.kid.update(real, real=True)
+        self.kid.update(self.generator.sample(real.size(0), self.device), real=False)
+
+    def on_validation_epoch_end(self) -> None:
+        kid_mean, _ = self.kid.compute()  # gathers every rank's features
+        self.kid.reset()
+        self.log("val/kid", kid_mean, prog_bar=True)
+        # The same noise every epoch, so the grids show one set of samples improving.
+        fixed = torch.Generator().manual_seed(0)
+        grid = image_grid(self.generator.sample(self.hparams.grid_size, self.device, generator=fixed))
+        if self.trainer.is_global_zero and isinstance(self.logger, TensorBoardLogger):
+            self.logger.experiment.add_image("samples", grid, self.global_step, dataformats="HW")
+            self.samples_png = Path(self.logger.log_dir) / "samples.png"
+            save_png(grid, self.samples_png)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         betas = (0.5, 0.999)
@@ -121,55 +130,19 @@ class DigitsGAN(pl.LightningModule):
         ]
 
 
-def save_grid(images: torch.Tensor, path: Path, columns: int = 8, scale: int = 6) -> None:
-    """Write ``images`` (n x 64, in [-1, 1]) as one PNG grid of 8x8 digits."""
-    pixels = ((images.detach().float().clamp(-1, 1) + 1) * 127.5).to(torch.uint8).view(-1, 8, 8)
+def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
+    """``images`` (n x 64, in [-1, 1]) as one uint8 grid (H x W) of 8x8 digits with 1-pixel borders."""
+    pixels = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).to(torch.uint8).view(-1, 8, 8)
     rows = (len(pixels) + columns - 1) // columns
     grid = torch.zeros(rows * 9 + 1, columns * 9 + 1, dtype=torch.uint8)
     for i, image in enumerate(pixels):
         r, c = divmod(i, columns)
         grid[1 + r * 9 : 1 + r * 9 + 8, 1 + c * 9 : 1 + c * 9 + 8] = image
+    return grid
+
+
+def save_png(grid: torch.Tensor, path: Path, scale: int = 6) -> None:
+    """Write a uint8 grid from :func:`image_grid` as a PNG, each pixel ``scale`` x ``scale``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid.numpy()).resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST).save(path)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=60)
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--out", default="outputs/gan")
-    args = parser.parse_args()
-
-    pl.seed_everything(0)
-    strategy = MultiDeepSpeedStrategy(
-        stage=2,
-        engines={"generator": {"zero_optimization": {"stage": 1}}},
-    )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=strategy,
-        max_epochs=args.epochs,
-        default_root_dir=args.out,
-        log_every_n_steps=5,
-        enable_model_summary=False,
-    )
-    module = DigitsGAN()
-    trainer.fit(module, datamodule=DigitsDataModule())
-
-    samples = module.generator.sample(64, module.device)  # ZeRO-1: every rank holds the whole generator
-    if trainer.global_rank == 0:
-        png = Path(args.out) / "samples.png"
-        save_grid(samples, png)
-        logs = trainer.logger.log_dir if trainer.logger else args.out
-        print(f"\nEngines: { {name: engine.zero_optimization_stage() for name, engine in strategy.engines.items()} }")
-        print(f"Samples:      {png}")
-        checkpoint = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else "-"
-        print(f"Checkpoint:   {checkpoint}")
-        print(f"Export:       lightning-multids export '{checkpoint}' {Path(args.out) / 'exported'}")
-        print(f"Logs:         {logs}")
-        print(f"Curves:       tensorboard --logdir {Path(logs).parent}")
-
-
-if __name__ == "__main__":
-    main()
+    image = Image.fromarray(grid.numpy())
+    image.resize((grid.shape[1] * scale, grid.shape[0] * scale), Image.NEAREST).save(path)

@@ -1,0 +1,102 @@
+"""Every example config runs a few steps on 2 CPU processes through the real ``lightning-multids`` command.
+
+Each test copies ``configs/`` into a temporary directory and runs the console script there, as a user
+would from the repository root, so every output (logs, checkpoints) lands in the temporary directory.
+Lightning's own launcher starts the second process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.distributed.harness import REPO, free_port
+
+CLI = Path(sys.executable).with_name("lightning-multids")
+SHORT = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2"]
+SHORT += ["--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1"]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    return tmp_path
+
+
+def lightning_multids(workdir: Path, *args: str, timeout: float = 300) -> str:
+    """Run the console script in ``workdir``; return its output, or fail with it (also on a hang)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [str(CLI), *args],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the launched rank joins this process group, so a timeout kills both
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        command = " ".join(args)
+        raise AssertionError(f"lightning-multids {command} did not finish in {timeout} s:\n{output[-4000:]}") from None
+    assert proc.returncode == 0, f"lightning-multids {' '.join(args)} exited with {proc.returncode}:\n{output[-6000:]}"
+    return output
+
+
+def events(log_dir: Path) -> EventAccumulator:
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"images": 0, "scalars": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def test_gan_config_trains_and_logs_curves_kid_and_a_sample_grid(workdir: Path) -> None:
+    output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *SHORT)
+    log_dir = workdir / "outputs" / "gan" / "gan" / "version_0"
+    assert "Engines (ZeRO stage): {'generator': 1, 'discriminator': 2}" in output
+    assert "tensorboard --logdir outputs/gan" in output
+    tags = events(log_dir).Tags()
+    assert {"train/d_loss", "train/g_loss", "val/kid"} <= set(tags["scalars"]), tags["scalars"]
+    assert "samples" in tags["images"], tags
+    assert (log_dir / "samples.png").is_file()
+    assert (log_dir / "checkpoints" / "last.ckpt" / "lightning.pt").is_file()
+    assert (log_dir / "config.yaml").is_file()  # LightningCLI saved the resolved config
+
+
+def test_distillation_configs_chain_teacher_student_and_test(workdir: Path) -> None:
+    checkpoints = workdir / "outputs" / "distill" / "checkpoints"
+    lightning_multids(workdir, "fit", "--config", "configs/distill_teacher.yaml", *SHORT)
+    assert (checkpoints / "teacher.ckpt" / "lightning.pt").is_file()
+    output = lightning_multids(workdir, "fit", "--config", "configs/distill.yaml", *SHORT)
+    assert "Engines (ZeRO stage): {'student': 2, 'teacher': 3}" in output
+    tags = events(workdir / "outputs" / "distill" / "distilled" / "version_0").Tags()["scalars"]
+    assert {"train/loss", "val/accuracy", "val/teacher_accuracy"} <= set(tags), tags
+    ckpt = str(checkpoints / "distilled.ckpt")
+    output = lightning_multids(workdir, "test", "--config", "configs/distill.yaml", f"--ckpt_path={ckpt}")
+    assert "test/accuracy" in output
+    exported = workdir / "exported"
+    lightning_multids(workdir, "export", ckpt, str(exported))
+    student = torch.load(exported / "student.pt")
+    assert student["net.0.weight"].shape == (16, 64)
+
+
+def test_student_alone_config_trains(workdir: Path) -> None:
+    lightning_multids(workdir, "fit", "--config", "configs/distill_student.yaml", *SHORT)
+    assert (workdir / "outputs" / "distill" / "checkpoints" / "student.ckpt" / "lightning.pt").is_file()
+
+
+def test_rlhf_config_trains_four_engines(workdir: Path) -> None:
+    output = lightning_multids(workdir, "fit", "--config", "configs/rlhf.yaml", *SHORT)
+    assert "Engines (ZeRO stage): {'actor': 2, 'critic': 1, 'reference': 3, 'reward': 3}" in output
+    tags = events(workdir / "outputs" / "rlhf" / "rlhf" / "version_0").Tags()["scalars"]
+    assert {"train/reward", "train/kl", "train/actor_loss", "train/critic_loss", "val/reward"} <= set(tags), tags
