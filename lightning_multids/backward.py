@@ -117,7 +117,7 @@ def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:
     still on the backward stack, which the outer backward needs. At stage 0/1 a backward only
     accumulates locally, so a gradient arriving twice needs nothing.
     """
-    if not phases.pending:
+    if not phases.pending or engine.inside_no_sync_ctxt:  # deferred: the gradients accumulate locally
         return
     phases.pending = False
     if engine.zero_optimization_partition_gradients():

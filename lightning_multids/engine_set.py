@@ -36,6 +36,7 @@ from lightning_multids.engines import (
     unpartition,
 )
 from lightning_multids.optimizer import EngineOptimizer, EngineScheduler
+from lightning_multids.sync import is_deferred
 
 
 @dataclass
@@ -79,6 +80,24 @@ class EngineSet:
             if optimizer.name in names:
                 optimizer.has_gradients = True
         return {name: self.engines[name] for name in names}
+
+    def trainable(self, names: tuple[str, ...], *, what: str) -> dict[str, DeepSpeedEngine]:
+        """The trainable engines called ``names`` (all of them when empty); ``what`` names the caller in errors."""
+        trainable = [optimizer.name for optimizer in self.optimizers]
+        if not trainable:
+            raise RuntimeError(f"`{what}` needs the engines, which exist only during `Trainer.fit`.")
+        unknown = [name for name in names if name not in trainable]
+        if unknown:
+            frozen = sorted(set(unknown) & self.frozen_names())
+            reason = f" ({frozen} are frozen: they have no gradients to reduce)" if frozen else ""
+            raise ValueError(
+                f"`{what}` got {unknown}, which are not trainable engines{reason}. Choose from {trainable}."
+            )
+        chosen = {name: self.engines[name] for name in names or trainable}
+        nested = [name for name, engine in chosen.items() if is_deferred(engine)]
+        if nested:
+            raise RuntimeError(f"`{what}`: the engines {nested} are already inside `no_sync`; don't nest the blocks.")
+        return chosen
 
     def check_loss_was_used(self, output: Any, backward_calls_before: int) -> None:
         """In manual optimization, raise if ``training_step`` returned a loss and nothing was backpropagated."""

@@ -10,7 +10,7 @@ from deepspeed import DeepSpeedEngine
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_multids.sync import NonFiniteWatch, clear_gradients, set_gradient_clipping
+from lightning_multids.sync import NonFiniteWatch, clear_gradients, is_deferred, set_gradient_clipping
 
 
 class _GroupView(MutableMapping):
@@ -105,6 +105,11 @@ class EngineOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if is_deferred(self.engine):
+            raise RuntimeError(
+                f"`opt.step()` of engine {self.name!r} inside `strategy.no_sync(...)`: its gradients are not reduced "
+                "until the block ends. Call `opt.step()` after the `with` block."
+            )
         if not self.has_gradients:
             self._refuse_empty_step()
             return loss  # automatic optimization: training_step returned None, Lightning skips the step

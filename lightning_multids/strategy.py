@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_multids import backward as routing
 from lightning_multids import checkpoint as checkpoints
+from lightning_multids import sync
 from lightning_multids.config import engine_config, load_config, validate_stage
 from lightning_multids.engine_set import EngineSet, build_engines
 from lightning_multids.engines import check_engine_names, zero3_init
@@ -211,6 +212,25 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         with routing.engines_backward(loss, engines.values()), routing.gradients_rescaled(engines, factors):
             super().backward(loss, optimizer, *args, **kwargs)
         return closure_loss
+
+    @contextmanager
+    def no_sync(self, *names: str) -> Iterator[None]:
+        """Defer the gradient reduction of the named trainable engines (all when none are named) to the block's end.
+
+        Every backward inside the block accumulates gradients locally; when the block ends each engine
+        reduces once, at every ZeRO stage, as with DDP's ``no_sync`` followed by a synchronizing backward.
+        Call it on every rank, with the same names, and step the optimizers after it::
+
+            with self.trainer.strategy.no_sync("query_encoder", "doc_encoder"):
+                for chunk in chunks:
+                    self.manual_backward(loss_of(chunk))
+            opt.step()
+
+        At ZeRO-2/3 the engine holds a whole, unpartitioned gradient per rank during the block (what
+        ZeRO-1 holds anyway); at stages 0/1 reduction already happens once per step, in ``step()``.
+        """
+        with sync.deferred_reduction(self._engine_set.trainable(names, what="no_sync")):
+            yield
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -19,6 +19,9 @@ generator's backward puts gradients on the discriminator that the user then clea
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
@@ -92,3 +95,57 @@ class NonFiniteWatch:
     def reset(self) -> None:
         """Forget what was seen (the gradients were cleared)."""
         self.flag.zero_()
+
+
+def is_deferred(engine: DeepSpeedEngine) -> bool:
+    """Whether ``engine`` is inside :func:`deferred_reduction` (its gradients stay local until the block ends)."""
+    return bool(getattr(engine, "inside_no_sync_ctxt", False))
+
+
+@contextmanager
+def deferred_reduction(engines: Mapping[str, DeepSpeedEngine]) -> Iterator[None]:
+    """Keep the gradients of ``engines`` local during the body; reduce each engine once when it ends.
+
+    Under this strategy (unmanaged accumulation, ``engine.step()`` is the boundary) stages 0 and 1
+    reduce only in ``step()``, so several backwards already cost one reduction; stages 2 and 3 reduce
+    (reduce-scatter) during every backward. Inside the block, ZeRO-2/3 engines instead accumulate full,
+    unpartitioned gradients in ``param.grad`` (DeepSpeed's ``_coalesce_grad_reduction`` switch, which its
+    own ``coalesce_grad_reduction()`` uses), and on exit every rank reduces them once, in the same order,
+    into the partitions, where they add to whatever earlier backwards of this step reduced. The flag that
+    DeepSpeed's ``no_sync()`` sets also makes ``engine.step()`` refuse to run inside the block.
+
+    On an exception the gradients of the block are dropped instead: reducing on only the ranks that
+    got here would leave the others waiting.
+    """
+    for engine in engines.values():
+        engine.inside_no_sync_ctxt = True
+        if engine.zero_optimization_partition_gradients():
+            engine.optimizer._coalesce_grad_reduction = True
+    try:
+        yield
+    except BaseException:
+        for engine in engines.values():
+            _stop_deferring(engine)
+            clear_gradients(engine)
+        raise
+    for name in sorted(engines):  # the same collective order on every rank
+        _stop_deferring(engines[name])
+        _reduce_local_gradients(engines[name])
+
+
+def _stop_deferring(engine: DeepSpeedEngine) -> None:
+    engine.inside_no_sync_ctxt = False
+    if engine.zero_optimization_partition_gradients():
+        engine.optimizer._coalesce_grad_reduction = False
+
+
+def _reduce_local_gradients(engine: DeepSpeedEngine) -> None:
+    """Reduce-scatter the gradients a ZeRO-2/3 engine accumulated locally, with DeepSpeed's own flush.
+
+    The accumulation boundary stays off (``engine.step()`` is the boundary here), so what is reduced
+    adds to the partitions rather than replacing them.
+    """
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+        engine._flush_coalesced_reduction_zero3(engine.optimizer)
+    elif engine.zero_optimization_partition_gradients():
+        engine._flush_coalesced_reduction_zero12(engine.optimizer)
