@@ -82,7 +82,9 @@ def test_distillation_configs_chain_teacher_student_and_test(workdir: Path) -> N
     tags = events(workdir / "outputs" / "distill" / "distilled" / "version_0").Tags()["scalars"]
     assert {"train/loss", "val/accuracy", "val/teacher_accuracy"} <= set(tags), tags
     ckpt = str(checkpoints / "distilled.ckpt")
-    output = lightning_multids(workdir, "test", "--config", "configs/distill.yaml", f"--ckpt_path={ckpt}")
+    output = lightning_multids(
+        workdir, "test", "--config", "configs/distill.yaml", f"--ckpt_path={ckpt}", "--trainer.devices=1"
+    )
     assert "test/accuracy" in output
     exported = workdir / "exported"
     lightning_multids(workdir, "export", ckpt, str(exported))
@@ -100,3 +102,10 @@ def test_rlhf_config_trains_four_engines(workdir: Path) -> None:
     assert "Engines (ZeRO stage): {'actor': 2, 'critic': 1, 'reference': 3, 'reward': 3}" in output
     tags = events(workdir / "outputs" / "rlhf" / "rlhf" / "version_0").Tags()["scalars"]
     assert {"train/reward", "train/kl", "train/actor_loss", "train/critic_loss", "val/reward"} <= set(tags), tags
+
+
+def test_contrastive_config_trains_with_grad_cache(workdir: Path) -> None:
+    output = lightning_multids(workdir, "fit", "--config", "configs/contrastive.yaml", *SHORT)
+    assert "Engines (ZeRO stage): {'image_encoder': 2, 'profile_encoder': 3}" in output
+    tags = events(workdir / "outputs" / "contrastive" / "contrastive" / "version_0").Tags()["scalars"]
+    assert {"train/loss", "val/recall@1"} <= set(tags), tags
