@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # another checkout (another venv) never rebuilds it under a running job.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install demo test lint typecheck clean
+.PHONY: install demo test lint typecheck bench bench-overhead bench-memory bench-gradcache clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,9 +28,24 @@ demo: $(STAMP)
 test: lint typecheck
 	$(PY) -m pytest tests
 
+bench: bench-overhead bench-memory bench-gradcache
+
+bench-overhead: $(STAMP)
+	for case in gan distill; do for stage in 0 1 2 3; do \
+		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case $$case --stage $$stage; done; done
+
+bench-memory: $(STAMP)
+	for n in 1 2 4; do for stage in 1 2 3; do \
+		$(VENV)/bin/torchrun --nproc-per-node $$n benchmarks/memory.py states --stage $$stage; done; done
+	for stage in 0 3; do $(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/memory.py peak --teacher-stage $$stage; done
+
+bench-gradcache: $(STAMP)
+	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 2
+	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 3 --out outputs/bench/gradcache_zero3.json
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_multids tests examples
-	$(VENV)/bin/ruff format --check lightning_multids tests examples
+	$(VENV)/bin/ruff check lightning_multids tests examples benchmarks
+	$(VENV)/bin/ruff format --check lightning_multids tests examples benchmarks
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -1,0 +1,59 @@
+"""What the benchmark scripts share: a step timer for Lightning fits, and summaries of A/B rounds."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_multids.diagnostics import ReductionCounter
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # `examples` from a script launched as `torchrun benchmarks/x.py`
+
+
+class StepMeter(pl.Callback):
+    """Wall time of each ``training_step`` (and, with ``count=True``, each engine's reductions), after warm-up.
+
+    The timer starts when Lightning hands the batch to the module and stops when the step returns: the
+    data loader is not timed, as in the hand-written loops it is compared with.
+    """
+
+    def __init__(self, warmup: int, count: bool = False) -> None:
+        self.warmup = warmup
+        self.count = count
+        self.times: list[float] = []
+        self.reductions: list[dict[str, int]] = []
+        self._batches = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        if self.count:
+            self.counter = ReductionCounter(trainer.strategy.engines).__enter__()
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        elapsed = time.perf_counter() - self.start
+        if self.count:
+            self.counter.__exit__(None, None, None)
+        self._batches += 1
+        if self._batches > self.warmup:
+            self.times.append(elapsed)
+            if self.count:
+                self.reductions.append(self.counter.counts)
+
+
+def summarize(a_times: list[list[float]], b_times: list[list[float]]) -> dict[str, float]:
+    """Median step time (ms) of A and of B over all rounds, and the median and range of per-round A/B ratios."""
+    ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(a_times, b_times, strict=True)]
+    return {
+        "a_ms": 1e3 * statistics.median(t for run in a_times for t in run),
+        "b_ms": 1e3 * statistics.median(t for run in b_times for t in run),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }

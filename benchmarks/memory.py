@@ -1,0 +1,208 @@
+"""Memory per rank: model-state bytes per engine against the ZeRO formula, and peak RSS of distillation.
+
+Model states (``make bench`` runs every N and stage; ``--nproc-per-node`` is N)::
+
+    torchrun --nproc-per-node 2 benchmarks/memory.py states --stage 2
+
+builds the GAN engines of ``benchmarks/overhead.py`` in bf16 (the ZeRO paper's mixed precision) with Adam,
+takes one step (so Adam's state exists), runs a second backward, and counts, per engine, the bytes of every
+tensor DeepSpeed holds for it, each storage once: parameters (bf16 weights, this rank's partition at
+ZeRO-3), gradients (``param.grad`` or the reduced partitions), optimizer state (fp32 master weights and
+Adam's two moments), and communication buffers (buckets, reported apart). The ZeRO paper's formula with
+Psi parameters, N ranks and K = 12 bytes of optimizer state per parameter: stage 1 ``4 Psi + 12 Psi / N``,
+stage 2 ``2 Psi + 14 Psi / N``, stage 3 ``16 Psi / N``.
+
+Peak resident memory of a distillation fit whose teacher is far larger than its student::
+
+    torchrun --nproc-per-node 2 benchmarks/memory.py peak --teacher-stage 3
+
+(``--teacher-stage 0``: the teacher replicated on every rank.) The teacher is built in ``configure_model``,
+so at ZeRO-3 it is created partitioned and never exists whole in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import warnings
+from typing import Any
+
+import deepspeed
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from overhead import BATCH, SIZES, discriminator_loss, gan_modules, generator_loss, mlp
+
+from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids.config import engine_config
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "buffers")
+
+
+def formula(stage: int, psi: int, n: int) -> float:
+    """Model-state bytes per rank from the ZeRO paper (fp16/bf16 weights and gradients, K = 12)."""
+    return {1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def _category(attribute: str) -> str | None:
+    name = attribute.lower()
+    if "ipg" in name or "bucket" in name:
+        return "buffers"
+    if "fp32" in name or "master" in name:
+        return "optimizer"
+    if "grad" in name:
+        return "gradients"
+    if "bit16" in name or "fp16" in name or "param" in name:
+        return "parameters"
+    return None
+
+
+def _tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 3:
+        return []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _tensors(item, depth + 1)]
+    return []
+
+
+def model_state_bytes(engine: Any) -> dict[str, int]:
+    """Bytes of each category of tensor ``engine`` holds on this rank, each storage counted once."""
+    found: dict[str, dict[int, int]] = {c: {} for c in CATEGORIES}
+
+    def add(category: str, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if tensor.device.type == "meta":  # DeepSpeed's shape-only bookkeeping: no memory
+            return
+        if storage.nbytes() and all(storage.data_ptr() not in seen for seen in found.values()):
+            found[category][storage.data_ptr()] = storage.nbytes()
+
+    for param in engine.module.parameters():
+        add("parameters", param.ds_tensor if hasattr(param, "ds_tensor") else param.data)
+        if param.grad is not None:
+            add("gradients", param.grad)
+    optimizer = engine.optimizer
+    for state in optimizer.optimizer.state.values():  # the wrapped torch optimizer: Adam's moments
+        for tensor in _tensors(state):
+            if tensor.numel() > 1:
+                add("optimizer", tensor)
+    for attribute, value in vars(optimizer).items():
+        category = _category(attribute)
+        if category is not None:
+            for tensor in _tensors(value):
+                add(category, tensor)
+    return {category: sum(sizes.values()) for category, sizes in found.items()}
+
+
+def states(stage: int) -> None:
+    """Print one table row per engine: measured model-state bytes per rank next to the formula."""
+    torch.manual_seed(0)
+    engines = {}
+    for name, module in gan_modules().items():
+        config = engine_config(
+            name, stage=stage, default={}, override={}, precision="bf16-mixed", micro_batch_size=BATCH
+        )
+        engines[name], *_ = deepspeed.initialize(
+            model=module, optimizer=torch.optim.Adam(module.parameters()), config=config
+        )
+    for _ in range(2):
+        real = torch.rand(BATCH, SIZES["image"], dtype=torch.bfloat16)
+        fake = engines["generator"](torch.randn(BATCH, SIZES["latent"], dtype=torch.bfloat16))
+        engines["discriminator"].backward(discriminator_loss(engines["discriminator"], real, fake))
+        measured = model_state_bytes(engines["discriminator"])  # after backward, before step: gradients held
+        engines["discriminator"].step()
+        engines["discriminator"].module.requires_grad_(False)
+        engines["generator"].backward(generator_loss(engines["discriminator"].module, fake).float())
+        measured_g = model_state_bytes(engines["generator"])
+        engines["generator"].step()
+        engines["discriminator"].module.requires_grad_(True)
+    n = torch.distributed.get_world_size()
+    if torch.distributed.get_rank() == 0:
+        for name, result in (("generator", measured_g), ("discriminator", measured)):
+            psi = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engines[name].module.parameters())
+            total = result["parameters"] + result["gradients"] + result["optimizer"]
+            expected = formula(stage, psi, n)
+            print(
+                f"| {stage} | {n} | {name} | {psi / 1e6:.2f} M | {result['parameters'] / 2**20:.2f} | "
+                f"{result['gradients'] / 2**20:.2f} | {result['optimizer'] / 2**20:.2f} | {total / 2**20:.2f} | "
+                f"{expected / 2**20:.2f} | {total / expected - 1:+.1%} | {result['buffers'] / 2**20:.2f} |",
+                flush=True,
+            )
+
+
+class BigTeacherDistill(pl.LightningModule):
+    """A student distilled from a teacher about 170 times its size, built in ``configure_model``."""
+
+    def __init__(self, teacher_hidden: int) -> None:
+        super().__init__()
+        self.teacher_hidden = teacher_hidden
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "teacher"):
+            self.teacher = mlp(SIZES["image"], self.teacher_hidden, self.teacher_hidden, SIZES["classes"])
+            self.student = mlp(SIZES["image"], 64, SIZES["classes"])
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (images,) = batch
+        with torch.no_grad():
+            targets = F.log_softmax(self.teacher(images), -1)
+        return F.kl_div(F.log_softmax(self.student(images), -1), targets, log_target=True, reduction="batchmean")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.student.parameters())
+
+
+def peak(teacher_stage: int, teacher_hidden: int) -> None:
+    """Print this rank's peak resident memory after a short distillation fit."""
+    module = BigTeacherDistill(teacher_hidden)
+    strategy = MultiDeepSpeedStrategy(
+        stage=2, engines={"teacher": {"zero_optimization": {"stage": teacher_stage}}, "student": {}}
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        strategy=strategy,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = torch.utils.data.TensorDataset(torch.randn(BATCH * 20, SIZES["image"]))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
+    teacher_numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.teacher.parameters())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peaks = [torch.zeros(1) for _ in range(trainer.world_size)]
+    torch.distributed.all_gather(peaks, torch.tensor([rss]))
+    if trainer.is_global_zero:
+        print(
+            f"| {teacher_stage} | {teacher_numel / 1e6:.1f} M ({teacher_numel * 4 / 2**20:.0f} MiB fp32) | "
+            f"{' / '.join(f'{p.item():.0f}' for p in peaks)} |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["states", "peak"])
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
+    parser.add_argument("--teacher-stage", type=int, choices=[0, 3], default=3)
+    parser.add_argument("--teacher-hidden", type=int, default=4096)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.mode == "states":
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        states(args.stage)
+    else:
+        peak(args.teacher_stage, args.teacher_hidden)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
