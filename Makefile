@@ -37,7 +37,7 @@ bench-overhead: $(STAMP)
 bench-memory: $(STAMP)
 	for n in 1 2 4; do for stage in 1 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node $$n benchmarks/memory.py states --stage $$stage; done; done
-	for stage in 0 3; do $(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/memory.py peak --teacher-stage $$stage; done
+	for stage in 0 3; do $(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/memory.py peak --teacher-stage $$stage --teacher-hidden 8192; done
 
 bench-gradcache: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 2

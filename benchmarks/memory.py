@@ -71,15 +71,20 @@ def _tensors(value: Any, depth: int = 0) -> list[torch.Tensor]:
 
 
 def model_state_bytes(engine: Any) -> dict[str, int]:
-    """Bytes of each category of tensor ``engine`` holds on this rank, each storage counted once."""
-    found: dict[str, dict[int, int]] = {c: {} for c in CATEGORIES}
+    """Bytes of each category of tensor ``engine`` holds on this rank.
+
+    Tensors are often views into one flat buffer (parameters into the flat bit16 group, gradient partitions
+    into a contiguous buffer): each byte of a storage is counted once, and only the bytes some tensor views.
+    A storage belongs to the first category that finds it.
+    """
+    spans: dict[int, tuple[str, set[tuple[int, int]]]] = {}
 
     def add(category: str, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        if tensor.device.type == "meta":  # DeepSpeed's shape-only bookkeeping: no memory
+        if tensor.device.type == "meta" or tensor.numel() == 0:  # meta: DeepSpeed's shape-only bookkeeping
             return
-        if storage.nbytes() and all(storage.data_ptr() not in seen for seen in found.values()):
-            found[category][storage.data_ptr()] = storage.nbytes()
+        key = tensor.untyped_storage().data_ptr()
+        start = tensor.storage_offset() * tensor.element_size()
+        spans.setdefault(key, (category, set()))[1].add((start, start + tensor.numel() * tensor.element_size()))
 
     for param in engine.module.parameters():
         add("parameters", param.ds_tensor if hasattr(param, "ds_tensor") else param.data)
@@ -95,7 +100,18 @@ def model_state_bytes(engine: Any) -> dict[str, int]:
         if category is not None:
             for tensor in _tensors(value):
                 add(category, tensor)
-    return {category: sum(sizes.values()) for category, sizes in found.items()}
+    totals = dict.fromkeys(CATEGORIES, 0)
+    for category, intervals in spans.values():
+        totals[category] += _union_length(intervals)
+    return totals
+
+
+def _union_length(intervals: set[tuple[int, int]]) -> int:
+    total, reach = 0, 0
+    for start, end in sorted(intervals):
+        total += max(0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
 
 
 def states(stage: int) -> None:
