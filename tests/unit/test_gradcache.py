@@ -89,3 +89,14 @@ def test_no_sync_selects_trainable_engines_and_refuses_the_rest() -> None:
         engines.trainable((), what="no_sync")
     with pytest.raises(RuntimeError, match="exist only during `Trainer.fit`"):
         EngineSet().trainable((), what="no_sync")
+
+
+def test_an_encoder_without_an_engine_is_refused() -> None:
+    query, doc = encoders()
+    engine = SimpleNamespace(module=query)
+    strategy = SimpleNamespace(engines={"query": engine}, no_sync=lambda *names: None)
+    module = SimpleNamespace(manual_backward=lambda loss: loss.backward(), trainer=SimpleNamespace(strategy=strategy))
+    with pytest.raises(
+        ValueError, match=r"encoders \['Sequential'\] are not submodules with an engine.*self.query_encoder"
+    ):
+        grad_cache(module, [query, doc], [torch.randn(4, 6), torch.randn(4, 5)], info_nce, chunk_size=2)
