@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,7 +11,13 @@ from deepspeed import DeepSpeedEngine
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_multids.sync import NonFiniteWatch, clear_gradients, is_deferred, set_gradient_clipping
+from lightning_multids.sync import (
+    NonFiniteGradients,
+    clear_gradients,
+    is_deferred,
+    set_gradient_clipping,
+    skip_nonfinite_steps,
+)
 
 
 class _GroupView(MutableMapping):
@@ -46,6 +53,20 @@ class _GroupView(MutableMapping):
         return len(self._group)
 
 
+@dataclass
+class _StepState:
+    """What an :class:`EngineOptimizer` tracks between steps, in one object shared with its Lightning wrapper.
+
+    ``self.optimizers()`` returns a ``LightningOptimizer`` that forwards attribute reads to this optimizer
+    but keeps attribute writes for itself, so ``opt.zero_grad()`` through it would set a flag that the
+    strategy never reads. Methods mutate this object instead, which both see.
+    """
+
+    has_gradients: bool = False
+    configured_clipping: float | None = None
+    """The engine's own clipping, while ``clip_next_step`` overrides it for one step."""
+
+
 class EngineOptimizer(Optimizer):
     """Steps and clears one DeepSpeed engine; what ``self.optimizers()`` returns under the strategy.
 
@@ -77,12 +98,19 @@ class EngineOptimizer(Optimizer):
         self.defaults = optimizer.defaults
         self._optimizer_step_pre_hooks: dict = {}
         self._optimizer_step_post_hooks: dict = {}
-        self.has_gradients = False
-        """Whether a backward reached the engine since its last step or ``zero_grad``."""
-        self._configured_clipping: float | None = None
+        self._state = _StepState()
         self.manual = True
         """Whether the module runs manual optimization (set by the strategy)."""
-        self._nonfinite = NonFiniteWatch(engine)
+        skip_nonfinite_steps(engine)
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether a backward reached the engine since its last step or ``zero_grad``."""
+        return self._state.has_gradients
+
+    @has_gradients.setter
+    def has_gradients(self, value: bool) -> None:
+        self._state.has_gradients = value
 
     @property
     def param_groups(self) -> list[MutableMapping]:  # type: ignore[override]
@@ -113,18 +141,18 @@ class EngineOptimizer(Optimizer):
         if not self.has_gradients:
             self._refuse_empty_step()
             return loss  # automatic optimization: training_step returned None, Lightning skips the step
-        self._refuse_nonfinite_step()
-        skipped = self.engine.skipped_steps
-        self.engine.step()
-        if self.engine.skipped_steps > skipped:
-            rank_zero_warn(
-                f"Engine {self.name!r} skipped its step {self.engine.global_steps}: the fp16 gradients overflowed; "
-                "DeepSpeed lowered the loss scale."
-            )
+        step, skipped = self.engine.global_steps + 1, self.engine.skipped_steps
+        try:
+            self.engine.step()
+            applied = self.engine.skipped_steps == skipped
+        except NonFiniteGradients:  # stage 0, fp32: raised before the torch optimizer changed anything
+            applied = False
         self.zero_grad()  # DeepSpeed clears param.grad; also drop what its partitions still hold
-        if self._configured_clipping is not None:
-            set_gradient_clipping(self.engine, self._configured_clipping)
-            self._configured_clipping = None
+        if self._state.configured_clipping is not None:
+            set_gradient_clipping(self.engine, self._state.configured_clipping)
+            self._state.configured_clipping = None
+        if not applied:
+            self._report_skipped_step(step)
         return loss
 
     def _refuse_empty_step(self) -> None:
@@ -136,15 +164,20 @@ class EngineOptimizer(Optimizer):
                 "before the backward, not between the backward and the step."
             )
 
-    def _refuse_nonfinite_step(self) -> None:
-        if self._nonfinite.found():
-            self.zero_grad()
-            raise FloatingPointError(
-                f"A gradient of engine {self.name!r} is NaN or infinite at its step {self.engine.global_steps + 1} "
-                f"(on at least one rank). The step was not applied, so the weights of {self.name!r} and of every "
-                "other engine are unchanged. Look for a NaN or inf in the loss or in the inputs of this engine, or "
-                "lower the learning rate; with fp16, DeepSpeed's loss scaler skips such steps on its own."
+    def _report_skipped_step(self, step: int) -> None:
+        """DeepSpeed skipped this step (no weights changed): warn for an fp16 overflow, raise for a NaN or inf."""
+        if self.engine.fp16_enabled():
+            rank_zero_warn(
+                f"Engine {self.name!r} skipped its step {step}: the fp16 gradients overflowed; "
+                "DeepSpeed lowered the loss scale."
             )
+            return
+        raise FloatingPointError(
+            f"A gradient of engine {self.name!r} is NaN or infinite at its step {step} (on at least one rank). The "
+            f"step was not applied, so the weights of {self.name!r} and of every other engine are unchanged. Look "
+            "for a NaN or inf in the loss or in the inputs of this engine, or lower the learning rate; with fp16, "
+            "DeepSpeed's loss scaler skips such steps on its own."
+        )
 
     def clip_next_step(self, max_norm: float) -> None:
         """Clip this engine's gradients to global norm ``max_norm`` in its next ``step()`` only.
@@ -152,14 +185,18 @@ class EngineOptimizer(Optimizer):
         DeepSpeed clips inside ``step()``, after the gradients are reduced across ranks, which is where
         ``self.clip_gradients(opt, gradient_clip_val=...)`` before ``opt.step()`` means to clip.
         """
-        if self._configured_clipping is None:
-            self._configured_clipping = float(self.engine.gradient_clipping())
+        if self._state.configured_clipping is None:
+            self._state.configured_clipping = float(self.engine.gradient_clipping())
         set_gradient_clipping(self.engine, max_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear this engine's gradients, local and already reduced."""
-        clear_gradients(self.engine)
-        self._nonfinite.reset()
+        """Clear this engine's gradients, local and already reduced.
+
+        Every gradient an engine receives comes through a routed backward, which sets ``has_gradients``;
+        without one since the last clear there is nothing to clear.
+        """
+        if self.has_gradients:
+            clear_gradients(self.engine)
         self.has_gradients = False
 
     def __repr__(self) -> str:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
 
@@ -64,39 +65,43 @@ def set_gradient_clipping(engine: DeepSpeedEngine, max_norm: float) -> None:
         engine.optimizer.clip_grad = float(max_norm)
 
 
-class NonFiniteWatch:
-    """Notices a NaN or inf gradient of an engine before DeepSpeed reduces it, without a sync per backward.
+class NonFiniteGradients(FloatingPointError):
+    """Raised in ``engine.step()`` when the reduced gradients hold a NaN or inf (:func:`skip_nonfinite_steps`)."""
 
-    A tensor hook on every trainable parameter ORs "this gradient has a non-finite value" into one flag;
-    :meth:`found` reads the flag once per step and agrees on it across ranks, so every rank refuses the
-    same step. fp16 engines are not watched: DeepSpeed's loss scaler already skips overflowing steps.
+
+def skip_nonfinite_steps(engine: DeepSpeedEngine) -> None:
+    """Make ``engine.step()`` apply no update, on every rank alike, when its reduced gradients hold a NaN or inf.
+
+    The check runs on the gradients after the reduction, where every rank sees the same verdict, so it
+    costs no collective of its own. DeepSpeed makes it already for most optimizers, and skips the step
+    (``engine.skipped_steps`` grows):
+
+    * fp16 engines: the dynamic loss scaler;
+    * bf16 at stage 0 (``BF16_Optimizer``) and every ZeRO-3 engine: a non-finite global gradient norm;
+    * ZeRO-1/2: its overflow check (``bf16.check_grad_overflow``, on by default) or, in fp32, the global
+      gradient norm (``zero_optimization.compute_grad_norm``, on by default).
+
+    Where it does not (a ZeRO-1/2 engine with both turned off, or stage 0 in fp32, which steps the torch
+    optimizer as it is), this turns the overflow check on, or adds a step pre-hook to the torch optimizer
+    that raises :class:`NonFiniteGradients` before it updates anything (the reduced gradients are the same
+    on every rank at stage 0, so every rank raises).
     """
+    optimizer = engine.optimizer
+    if engine.fp16_enabled() or isinstance(optimizer, BF16_Optimizer | DeepSpeedZeroOptimizer_Stage3):
+        return
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        if not (optimizer.compute_grad_norm and optimizer.dtype != torch.bfloat16):
+            optimizer.check_grad_overflow = True
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.register_step_pre_hook(_refuse_nonfinite)
 
-    def __init__(self, engine: DeepSpeedEngine) -> None:
-        params = [p for p in engine.module.parameters() if p.requires_grad]
-        self.flag = torch.zeros((), dtype=torch.bool, device=params[0].device if params else "cpu")
-        self.enabled = not engine.fp16_enabled()
-        if self.enabled:
-            for param in params:
-                param.register_hook(self._check)
 
-    def _check(self, grad: torch.Tensor) -> None:
-        # One reduction, no full-size temporary: a NaN or inf anywhere makes the sum non-finite. (Finite values
-        # whose sum overflows would too; no real gradient sums past 3e38.)
-        self.flag.logical_or_(~torch.isfinite(grad.sum()))
-
-    def found(self) -> bool:
-        """Whether any rank saw a non-finite gradient since the last :meth:`reset`; a collective call."""
-        if not self.enabled:
-            return False
-        found = self.flag.to(torch.int32)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        return bool(found.item())
-
-    def reset(self) -> None:
-        """Forget what was seen (the gradients were cleared)."""
-        self.flag.zero_()
+def _refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # One sum per gradient, no full-size temporary: a NaN or inf anywhere makes the total non-finite. (Finite
+    # values whose sum overflows would too; no real gradient sums past 3e38.)
+    sums = [p.grad.sum() for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if sums and not torch.isfinite(torch.stack(sums).sum()):
+        raise NonFiniteGradients
 
 
 def is_deferred(engine: DeepSpeedEngine) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -72,6 +73,14 @@ def steps_without_backward(module: GAN, batch: torch.Tensor) -> None:
     opt_g.step()
 
 
+def clears_before_step(module: GAN, batch: torch.Tensor) -> None:
+    real, z = patterns.split(batch)
+    opt_g, _ = module.optimizers()
+    module.manual_backward(module.discriminator(module.generator(z)).mean())
+    opt_g.zero_grad()  # through Lightning's wrapper, as users call it
+    opt_g.step()
+
+
 def nan_in_discriminator(module: GAN, batch: torch.Tensor) -> None:
     """gan_zero_first, with a NaN in the discriminator's loss on rank 1 from the second batch on."""
     opt_g, opt_d = module.optimizers()
@@ -111,6 +120,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     ),
     "engine_called_directly": (lambda: GAN(calls_engine), {}),
     "step_without_backward": (lambda: GAN(steps_without_backward), {}),
+    "zero_grad_before_step": (lambda: GAN(clears_before_step), {}),
 }
 
 
@@ -123,21 +133,49 @@ def main() -> None:
             print(f"RESULT {name}: {err}".replace("\n", " "), flush=True)
         else:
             print(f"RESULT {name}: no error", flush=True)
-    nan_run()
+    for name in NAN_RUNS:
+        nan_run(name, sys.argv[1])
 
 
-def nan_run() -> None:
+NAN_RUNS: dict[str, tuple[int, str, dict]] = {
+    # name: (stage, Trainer precision, discriminator's DeepSpeed config). Each is a different place that
+    # refuses the step: the torch optimizer's pre-hook (stage 0, fp32), BF16_Optimizer's norm (stage 0, bf16),
+    # the ZeRO-1/2 gradient norm (fp32), the ZeRO-1/2 overflow check (bf16, and forced on where a config turns
+    # it and the norm off), the ZeRO-3 norm.
+    "zero0": (0, "32-true", {}),
+    "zero1": (1, "32-true", {}),
+    "zero2": (2, "32-true", {}),
+    "zero3": (3, "32-true", {}),
+    "zero0_bf16": (0, "bf16-mixed", {}),
+    "zero2_bf16_unchecked": (2, "bf16-mixed", {"bf16": {"enabled": True, "check_grad_overflow": False}}),
+    "zero1_unnormed": (1, "32-true", {"zero_optimization": {"compute_grad_norm": False}}),
+}
+
+
+class WeightsBefore(pl.Callback):
+    """Records the consolidated weights when the batch with the NaN starts (a collective call on every rank)."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, index: int) -> None:
+        if index == 1:
+            self.weights = trainer.strategy.consolidated_state_dict()
+
+
+def nan_run(name: str, out: str) -> None:
     """A NaN reaches the discriminator on one rank: every rank refuses that step; no weights change."""
-    module = GAN(nan_in_discriminator)
-    trainer = cpu_trainer(MultiDeepSpeedStrategy(stage=2), enable_checkpointing=False, use_distributed_sampler=False)
+    stage, precision, config = NAN_RUNS[name]
+    module, before = GAN(nan_in_discriminator), WeightsBefore()
+    strategy = MultiDeepSpeedStrategy(stage=stage, engines={"discriminator": config})
+    trainer = cpu_trainer(
+        strategy, precision=precision, callbacks=[before], enable_checkpointing=False, use_distributed_sampler=False
+    )
     module.train_dataloader = lambda: sharded_loader(module, patterns.make_batches(2))  # type: ignore[method-assign]
     try:
         trainer.fit(module)
     except FloatingPointError as err:
-        print(f"RESULT nan_gradient: {err}".replace("\n", " "), flush=True)
+        print(f"RESULT nan_{name}: {err}".replace("\n", " "), flush=True)
     weights = trainer.strategy.consolidated_state_dict()
     if trainer.global_rank == 0:
-        torch.save(weights, sys.argv[1])
+        torch.save({"before": before.weights, "after": weights}, Path(out) / f"{name}.pt")
 
 
 if __name__ == "__main__":

@@ -25,12 +25,13 @@ EXPECTED = {
     "batch_contradiction": r"engine 'generator' sets train_micro_batch_size_per_gpu=16.*gives 4 samples per process",
     "engine_called_directly": r"engine .generator. was called directly. Call the submodule instead \(`self.gen",
     "step_without_backward": r"`opt.step\(\)` of engine 'generator' was called with no gradient.*manual_backward",
+    "zero_grad_before_step": r"engine 'generator' was called with no gradient since its last step or `zero_grad\(\)`",
 }
 
 
 @pytest.fixture(scope="module")
 def weights_after_nan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("nan") / "weights.pt"
+    return tmp_path_factory.mktemp("nan")
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +50,29 @@ def test_scenario_raises_a_clear_error_on_every_rank(results: dict[int, dict[str
         assert re.search(EXPECTED[scenario], messages[scenario]), f"rank {rank}: {messages[scenario]}"
 
 
+NAN_RUNS = ["zero0", "zero1", "zero2", "zero3", "zero0_bf16", "zero2_bf16_unchecked", "zero1_unnormed"]
+
+
+@pytest.mark.parametrize("run", NAN_RUNS)
 def test_nan_gradient_in_one_engine_is_reported_and_changes_no_weights(
-    results: dict[int, dict[str, str]], weights_after_nan: Path
+    results: dict[int, dict[str, str]], weights_after_nan: Path, run: str
 ) -> None:
     """Rank 1 feeds a NaN to the discriminator at its second step: both ranks refuse that step."""
     for rank, messages in results.items():
-        assert re.search(r"engine 'discriminator' is NaN or infinite at its step 2", messages["nan_gradient"]), rank
-    # The refused step changed nothing: both engines hold the weights of one good GAN step.
+        assert f"nan_{run}" in messages, f"rank {rank} raised no FloatingPointError"
+        assert re.search(r"engine 'discriminator' is NaN or infinite at its step 2", messages[f"nan_{run}"]), rank
+    # The refused step is the first of the second batch: the weights are those the batch started with.
+    weights = torch.load(weights_after_nan / f"{run}.pt")
+    for key, value in weights["before"].items():
+        assert torch.equal(weights["after"][key], value), key
+        assert torch.isfinite(value).all(), key
+
+
+def test_nan_refused_step_follows_one_good_step_of_plain_pytorch(
+    results: dict[int, dict[str, str]], weights_after_nan: Path
+) -> None:
+    """After the refused step, the fp32 ZeRO-2 run holds the weights of one good GAN step of plain PyTorch."""
     expected = patterns.reference("gan_zero_first", "sgd", 1)
-    weights = torch.load(weights_after_nan)
+    weights = torch.load(weights_after_nan / "zero2.pt")["after"]
     for key, value in expected.items():
         assert torch.allclose(weights[key], value, atol=1e-5), key

@@ -191,7 +191,7 @@ def test_clipping_by_value_in_manual_optimization_is_refused() -> None:
     from lightning_multids.precision import EnginePrecision
 
     module = nn.Linear(2, 2)
-    engine = SimpleNamespace(module=module, fp16_enabled=lambda: False)
+    engine = SimpleNamespace(module=module, fp16_enabled=lambda: False, optimizer=None)
     optimizer = EngineOptimizer("critic", engine, sgd(*module.parameters()), [list(module.parameters())])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"engine 'critic' by value is not available.*gradient_clip_algorithm='norm'"):
         EnginePrecision().clip_gradients(optimizer, 0.5, "value")  # type: ignore[arg-type]
