@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_multids.diagnostics import ReductionCounter
 
@@ -21,7 +23,8 @@ class StepMeter(pl.Callback):
     """Wall time of each ``training_step`` (and, with ``count=True``, each engine's reductions), after warm-up.
 
     The timer starts when Lightning hands the batch to the module and stops when the step returns: the
-    data loader is not timed, as in the hand-written loops it is compared with.
+    data loader is not timed, as in the hand-written loops it is compared with. On a GPU both ends wait for
+    the queued kernels (:func:`synchronize`).
     """
 
     def __init__(self, warmup: int, count: bool = False) -> None:
@@ -34,9 +37,11 @@ class StepMeter(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         if self.count:
             self.counter = ReductionCounter(trainer.strategy.engines).__enter__()
+        synchronize()
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        synchronize()
         elapsed = time.perf_counter() - self.start
         if self.count:
             self.counter.__exit__(None, None, None)
@@ -45,6 +50,19 @@ class StepMeter(pl.Callback):
             self.times.append(elapsed)
             if self.count:
                 self.reductions.append(self.counter.counts)
+
+
+def synchronize() -> None:
+    """Wait for the kernels queued on this process's GPU, if it has one (a no-op on a CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def release_memory() -> None:
+    """Free what the last run left (its engines), so that the next one starts from the same memory."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def summarize(a_times: list[list[float]], b_times: list[list[float]]) -> dict[str, float]:

@@ -10,7 +10,11 @@ tensor DeepSpeed holds for it, each storage once: parameters (bf16 weights, this
 ZeRO-3), gradients (``param.grad`` or the reduced partitions), optimizer state (fp32 master weights and
 Adam's two moments), and communication buffers (buckets, reported apart). The ZeRO paper's formula with
 Psi parameters, N ranks and K = 12 bytes of optimizer state per parameter: stage 1 ``4 Psi + 12 Psi / N``,
-stage 2 ``2 Psi + 14 Psi / N``, stage 3 ``16 Psi / N``.
+stage 2 ``2 Psi + 14 Psi / N``, stage 3 ``16 Psi / N``. Next to it, the same count from DeepSpeed's partition
+layout: at stage 2 a rank's gradient buffer holds every parameter tensor its partition overlaps whole, so a
+tensor cut by a partition boundary counts in full (``params_in_partition``). ``--hidden`` and ``--layers``
+change the GAN's hidden width and depth (``--hidden 256 --layers 24``: many tensors, each small beside a
+partition).
 
 Peak resident memory of a distillation fit whose teacher is far larger than its student::
 
@@ -32,7 +36,7 @@ import deepspeed
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from overhead import BATCH, SIZES, discriminator_loss, gan_modules, generator_loss, mlp
+from overhead import S, discriminator_loss, gan_modules, generator_loss, mlp
 
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids.config import engine_config
@@ -114,20 +118,32 @@ def _union_length(intervals: set[tuple[int, int]]) -> int:
     return total
 
 
+def layout(stage: int, engine: Any, psi: int, n: int) -> float:
+    """Model-state bytes per rank as DeepSpeed lays them out: the formula, with ZeRO-2's gradient buffer.
+
+    At stage 2 the buffer this rank reduces its gradients into holds each parameter that overlaps its
+    partition whole (2 bytes per element in bf16), not just the overlapping ``psi / n`` elements.
+    """
+    if stage != 2:
+        return formula(stage, psi, n)
+    overlapping = sum(param.numel() for group in engine.optimizer.params_in_partition for param in group)
+    return 2 * psi + 12 * psi / n + 2 * overlapping
+
+
 def states(stage: int) -> None:
     """Print one table row per engine: measured model-state bytes per rank next to the formula."""
     torch.manual_seed(0)
     engines = {}
     for name, module in gan_modules().items():
         config = engine_config(
-            name, stage=stage, default={}, override={}, precision="bf16-mixed", micro_batch_size=BATCH
+            name, stage=stage, default={}, override={}, precision="bf16-mixed", micro_batch_size=S["batch"]
         )
         engines[name], *_ = deepspeed.initialize(
             model=module, optimizer=torch.optim.Adam(module.parameters()), config=config
         )
     for _ in range(2):
-        real = torch.rand(BATCH, SIZES["image"], dtype=torch.bfloat16)
-        fake = engines["generator"](torch.randn(BATCH, SIZES["latent"], dtype=torch.bfloat16))
+        real = torch.rand(S["batch"], S["image"], dtype=torch.bfloat16)
+        fake = engines["generator"](torch.randn(S["batch"], S["latent"], dtype=torch.bfloat16))
         engines["discriminator"].backward(discriminator_loss(engines["discriminator"], real, fake))
         measured = model_state_bytes(engines["discriminator"])  # after backward, before step: gradients held
         engines["discriminator"].step()
@@ -141,26 +157,27 @@ def states(stage: int) -> None:
         for name, result in (("generator", measured_g), ("discriminator", measured)):
             psi = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engines[name].module.parameters())
             total = result["parameters"] + result["gradients"] + result["optimizer"]
-            expected = formula(stage, psi, n)
+            expected, laid_out = formula(stage, psi, n), layout(stage, engines[name], psi, n)
             print(
                 f"| {stage} | {n} | {name} | {psi / 1e6:.2f} M | {result['parameters'] / 2**20:.2f} | "
                 f"{result['gradients'] / 2**20:.2f} | {result['optimizer'] / 2**20:.2f} | {total / 2**20:.2f} | "
-                f"{expected / 2**20:.2f} | {total / expected - 1:+.1%} | {result['buffers'] / 2**20:.2f} |",
+                f"{expected / 2**20:.2f} | {total / expected - 1:+.1%} | {laid_out / 2**20:.2f} | "
+                f"{total / laid_out - 1:+.1%} | {result['buffers'] / 2**20:.2f} |",
                 flush=True,
             )
 
 
 class BigTeacherDistill(pl.LightningModule):
-    """A student distilled from a teacher about 170 times its size, built in ``configure_model``."""
+    """A student distilled from a teacher far larger than itself, both built in ``configure_model``."""
 
-    def __init__(self, teacher_hidden: int) -> None:
+    def __init__(self, teacher_hidden: int, teacher_layers: int) -> None:
         super().__init__()
-        self.teacher_hidden = teacher_hidden
+        self.teacher_sizes = [S["image"], *[teacher_hidden] * teacher_layers, S["classes"]]
 
     def configure_model(self) -> None:
         if not hasattr(self, "teacher"):
-            self.teacher = mlp(SIZES["image"], self.teacher_hidden, self.teacher_hidden, SIZES["classes"])
-            self.student = mlp(SIZES["image"], 64, SIZES["classes"])
+            self.teacher = mlp(*self.teacher_sizes)
+            self.student = mlp(S["image"], 64, S["classes"])
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         (images,) = batch
@@ -172,9 +189,9 @@ class BigTeacherDistill(pl.LightningModule):
         return torch.optim.Adam(self.student.parameters())
 
 
-def peak(teacher_stage: int, teacher_hidden: int) -> None:
+def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int) -> None:
     """Print this rank's peak resident memory after a short distillation fit."""
-    module = BigTeacherDistill(teacher_hidden)
+    module = BigTeacherDistill(teacher_hidden, teacher_layers)
     strategy = MultiDeepSpeedStrategy(
         stage=2, engines={"teacher": {"zero_optimization": {"stage": teacher_stage}}, "student": {}}
     )
@@ -188,15 +205,16 @@ def peak(teacher_stage: int, teacher_hidden: int) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    data = torch.utils.data.TensorDataset(torch.randn(BATCH * 20, SIZES["image"]))
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=BATCH))
+    data = torch.utils.data.TensorDataset(torch.randn(S["batch"] * 20, S["image"]))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=S["batch"]))
     teacher_numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.teacher.parameters())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     peaks = [torch.zeros(1) for _ in range(trainer.world_size)]
     torch.distributed.all_gather(peaks, torch.tensor([rss]))
     if trainer.is_global_zero:
         print(
-            f"| {teacher_stage} | {teacher_numel / 1e6:.1f} M ({teacher_numel * 4 / 2**20:.0f} MiB fp32) | "
+            f"| {teacher_stage} | {teacher_layers} × {teacher_hidden} | "
+            f"{teacher_numel / 1e6:.1f} M ({teacher_numel * 4 / 2**20:.0f} MiB fp32) | "
             f"{' / '.join(f'{p.item():.0f}' for p in peaks)} |",
             flush=True,
         )
@@ -208,13 +226,17 @@ def main() -> None:
     parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
     parser.add_argument("--teacher-stage", type=int, choices=[0, 3], default=3)
     parser.add_argument("--teacher-hidden", type=int, default=4096)
+    parser.add_argument("--teacher-layers", type=int, default=2, help="hidden layers of the teacher")
+    parser.add_argument("--hidden", type=int, default=S["hidden"], help="states: the GAN's hidden width")
+    parser.add_argument("--layers", type=int, default=S["gan_layers"], help="states: hidden layers per GAN model")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    S.update(hidden=args.hidden, gan_layers=args.layers)
     if args.mode == "states":
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         states(args.stage)
     else:
-        peak(args.teacher_stage, args.teacher_hidden)
+        peak(args.teacher_stage, args.teacher_hidden, args.teacher_layers)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
