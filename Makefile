@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # another checkout (another venv) never rebuilds it under a running job.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install demo test lint typecheck bench bench-overhead bench-memory bench-gradcache clean
+.PHONY: install demo test lint typecheck bench bench-overhead bench-memory bench-gradcache bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,13 +31,26 @@ test: lint typecheck
 bench: bench-overhead bench-memory bench-gradcache
 
 bench-overhead: $(STAMP)
-	for case in gan distill; do for stage in 0 1 2 3; do \
-		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case $$case --stage $$stage; done; done
+	for stage in 0 1 2 3; do \
+		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case gan --stage $$stage; done
+	for stage in 0 1 2 3; do \
+		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case distill --stage $$stage --rounds 12 --steps 100; done
+
+# Not part of `bench`: needs CUDA GPUs (all of this machine's, over nccl) and a CUDA build of torch.
+GPUS ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
+bench-gpu: $(STAMP)
+	for precision in bf16-mixed 16-mixed; do for case in gan distill; do for stage in 0 1 2 3; do \
+		$(VENV)/bin/torchrun --nproc-per-node $(GPUS) benchmarks/overhead.py --device cuda --precision $$precision \
+			--case $$case --stage $$stage; done; done; done
 
 bench-memory: $(STAMP)
 	for n in 1 2 4; do for stage in 1 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node $$n benchmarks/memory.py states --stage $$stage; done; done
-	for stage in 0 3; do $(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/memory.py peak --teacher-stage $$stage --teacher-hidden 8192; done
+	for n in 2 4; do \
+		$(VENV)/bin/torchrun --nproc-per-node $$n benchmarks/memory.py states --stage 2 --hidden 256 --layers 24; done
+	for malloc in "" "MALLOC_MMAP_THRESHOLD_=65536"; do for teacher in "0" "3" "3 --lean"; do \
+		env $$malloc $(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/memory.py peak --teacher-stage $$teacher \
+			--teacher-hidden 2048 --teacher-layers 36; done; done
 
 bench-gradcache: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 2

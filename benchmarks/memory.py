@@ -20,8 +20,10 @@ Peak resident memory of a distillation fit whose teacher is far larger than its 
 
     torchrun --nproc-per-node 2 benchmarks/memory.py peak --teacher-stage 3
 
-(``--teacher-stage 0``: the teacher replicated on every rank.) The teacher is built in ``configure_model``,
-so at ZeRO-3 it is created partitioned and never exists whole in one process.
+(``--teacher-stage 0``: the teacher replicated on every rank.) The teacher (``--teacher-layers`` hidden layers
+of ``--teacher-hidden``) is built in ``configure_model``, so at ZeRO-3 it is created partitioned. ``--lean``
+sets the teacher's ZeRO-3 live-parameter, reuse-distance and prefetch limits to 0, so each layer is gathered
+for its forward and released after it (DeepSpeed's defaults keep gathered layers alive).
 """
 
 from __future__ import annotations
@@ -189,11 +191,16 @@ class BigTeacherDistill(pl.LightningModule):
         return torch.optim.Adam(self.student.parameters())
 
 
-def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int) -> None:
+LEAN_ZERO3 = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+"""ZeRO-3 settings that release each gathered layer after its forward (DeepSpeed's defaults keep up to 1e9 live)."""
+
+
+def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, lean: bool) -> None:
     """Print this rank's peak resident memory after a short distillation fit."""
     module = BigTeacherDistill(teacher_hidden, teacher_layers)
     strategy = MultiDeepSpeedStrategy(
-        stage=2, engines={"teacher": {"zero_optimization": {"stage": teacher_stage}}, "student": {}}
+        stage=2,
+        engines={"teacher": {"zero_optimization": {"stage": teacher_stage, **(LEAN_ZERO3 if lean else {})}}},
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -213,7 +220,7 @@ def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int) -> None:
     torch.distributed.all_gather(peaks, torch.tensor([rss]))
     if trainer.is_global_zero:
         print(
-            f"| {teacher_stage} | {teacher_layers} × {teacher_hidden} | "
+            f"| {teacher_stage}{' (lean)' if lean else ''} | {teacher_layers} × {teacher_hidden} | "
             f"{teacher_numel / 1e6:.1f} M ({teacher_numel * 4 / 2**20:.0f} MiB fp32) | "
             f"{' / '.join(f'{p.item():.0f}' for p in peaks)} |",
             flush=True,
@@ -227,6 +234,7 @@ def main() -> None:
     parser.add_argument("--teacher-stage", type=int, choices=[0, 3], default=3)
     parser.add_argument("--teacher-hidden", type=int, default=4096)
     parser.add_argument("--teacher-layers", type=int, default=2, help="hidden layers of the teacher")
+    parser.add_argument("--lean", action="store_true", help="peak: the ZeRO-3 teacher releases each layer at once")
     parser.add_argument("--hidden", type=int, default=S["hidden"], help="states: the GAN's hidden width")
     parser.add_argument("--layers", type=int, default=S["gan_layers"], help="states: hidden layers per GAN model")
     args = parser.parse_args()
@@ -236,7 +244,7 @@ def main() -> None:
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         states(args.stage)
     else:
-        peak(args.teacher_stage, args.teacher_hidden, args.teacher_layers)
+        peak(args.teacher_stage, args.teacher_hidden, args.teacher_layers, args.lean)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -49,7 +49,7 @@ from lightning_multids.config import engine_config, frozen_config
 SIZES = {
     # --size cpu: a few million parameters per engine, for 2 CPU processes.
     "cpu": dict(batch=64, latent=128, image=784, classes=10, hidden=1024, teacher=2048, student=256),
-    # --size gpu: GAN 172 M + 168 M parameters, teacher 351 M, student 37 M.
+    # --size gpu: GAN 172 M + 168 M parameters, teacher 352 M, student 38 M.
     "gpu": dict(batch=256, latent=512, image=4096, classes=1000, hidden=8192, teacher=16384, student=4096),
 }
 LAYERS = {"cpu": {"gan_layers": 2, "student_layers": 1}, "gpu": {"gan_layers": 3, "student_layers": 2}}
@@ -255,11 +255,12 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), help="model sizes (default: the device's)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default="outputs/bench/overhead")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    S.update({**SIZES[args.size or args.device], **LAYERS[args.size or args.device]})
+    size = args.size or ("gpu" if args.device == "cuda" else "cpu")
+    S.update({**SIZES[size], **LAYERS[size]})
     run = Run(args.case, args.stage, args.device, args.precision)
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else None
     if device is not None:
