@@ -81,10 +81,11 @@ def skip_nonfinite_steps(engine: DeepSpeedEngine) -> None:
     * ZeRO-1/2: its overflow check (``bf16.check_grad_overflow``, on by default) or, in fp32, the global
       gradient norm (``zero_optimization.compute_grad_norm``, on by default).
 
-    Where it does not (a ZeRO-1/2 engine with both turned off, or stage 0 in fp32, which steps the torch
-    optimizer as it is), this turns the overflow check on, or adds a step pre-hook to the torch optimizer
-    that raises :class:`NonFiniteGradients` before it updates anything (the reduced gradients are the same
-    on every rank at stage 0, so every rank raises).
+    Where it does not, this makes sure something does. A ZeRO-1/2 config that turns DeepSpeed's check off
+    (bf16 with ``check_grad_overflow: false``, fp32 with ``compute_grad_norm: false``) gets the overflow check
+    turned back on. Stage 0 in fp32 steps the torch optimizer as it is: a step pre-hook on it raises
+    :class:`NonFiniteGradients` before it updates anything (the reduced gradients are the same on every rank
+    at stage 0, so every rank raises).
     """
     optimizer = engine.optimizer
     if engine.fp16_enabled() or isinstance(optimizer, BF16_Optimizer | DeepSpeedZeroOptimizer_Stage3):
