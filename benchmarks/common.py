@@ -19,6 +19,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # `examples` from a script launched as `torchrun benchmarks/x.py`
 
 
+BARE = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+"""Trainer options of every benchmark fit: nothing written, nothing printed per step."""
+
+
 class StepMeter(pl.Callback):
     """Wall time of each ``training_step`` (and, with ``count=True``, each engine's reductions), after warm-up.
 

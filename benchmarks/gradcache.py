@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from common import StepMeter, summarize
+from common import BARE, StepMeter, summarize
 
 from examples.contrastive import DigitsDualEncoder, Encoder
 from examples.digits import IMAGE, DigitsDataModule
@@ -46,10 +46,7 @@ def fit(stage: int, chunks: int, defer: bool, steps: int, warmup: int, hidden: i
         strategy=MultiDeepSpeedStrategy(stage=stage),
         max_steps=2 * (warmup + steps),  # two optimizers: the step counter moves twice per batch
         limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **BARE,
         callbacks=[meter],
     )
     module = WideDualEncoder(hidden=hidden, chunk_size=BATCH // chunks, defer_sync=defer)

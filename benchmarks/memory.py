@@ -38,6 +38,7 @@ import deepspeed
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from common import BARE
 from overhead import S, discriminator_loss, gan_modules, generator_loss, mlp
 
 from lightning_multids import MultiDeepSpeedStrategy
@@ -207,10 +208,7 @@ def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, lean: boo
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         strategy=strategy,
         max_steps=5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **BARE,
     )
     data = torch.utils.data.TensorDataset(torch.randn(S["batch"] * 20, S["image"]))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=S["batch"]))

@@ -40,7 +40,7 @@ import deepspeed
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from common import StepMeter, release_memory, summarize, synchronize
+from common import BARE, StepMeter, release_memory, summarize, synchronize
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
@@ -177,10 +177,7 @@ def run_strategy(run: Run, data: list[tuple[torch.Tensor, torch.Tensor]], warmup
         strategy=MultiDeepSpeedStrategy(stage=run.stage, engines=engines),
         precision=run.precision,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **BARE,
         use_distributed_sampler=False,
         callbacks=[meter],
     )

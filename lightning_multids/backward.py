@@ -39,6 +39,8 @@ import torch
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
+from lightning_multids.sync import is_deferred
+
 
 def reached_engines(loss: torch.Tensor, owners: Mapping[int, str]) -> list[str]:
     """Return the names of the engines whose parameters receive a gradient from ``loss``.
@@ -117,7 +119,7 @@ def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:
     still on the backward stack, which the outer backward needs. At stage 0/1 a backward only
     accumulates locally, so a gradient arriving twice needs nothing.
     """
-    if not phases.pending or engine.inside_no_sync_ctxt:  # deferred: the gradients accumulate locally
+    if not phases.pending or is_deferred(engine):  # deferred: the gradients accumulate locally
         return
     phases.pending = False
     if engine.zero_optimization_partition_gradients():
