@@ -30,8 +30,8 @@ reduce-scatter at stage 2/3) and the ZeRO-3 module hooks that gather and release
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,74 +39,105 @@ import torch
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
-from lightning_multids.sync import is_deferred
-
-
-def reached_engines(loss: torch.Tensor, owners: Mapping[int, str]) -> list[str]:
-    """Return the names of the engines whose parameters receive a gradient from ``loss``.
-
-    Args:
-        loss: the tensor ``backward`` will be called on.
-        owners: ``id(parameter) -> engine name`` for every trainable engine parameter.
-
-    The walk visits each autograd node once and stops early when every engine has been found.
-    """
-    wanted = set(owners.values())
-    found: dict[str, None] = {}
-    root = loss.grad_fn
-    if root is None:
-        return []
-    seen: set[int] = {id(root)}
-    stack = [root]
-    while stack and len(found) < len(wanted):
-        node = stack.pop()
-        variable = getattr(node, "variable", None)  # only AccumulateGrad nodes have one
-        if variable is not None:
-            name = owners.get(id(variable))
-            if name is not None:
-                found.setdefault(name)
-            continue
-        for child, _ in node.next_functions:
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                stack.append(child)
-    return list(found)
+from lightning_multids.discovery import Reach
+from lightning_multids.sync import is_deferred, reduction_skipped
 
 
 @dataclass
 class _Phases:
-    """Where one engine is in a routed backward: the root graph task, and gradients not yet reduced."""
+    """Where one engine is in a routed backward: gradients not yet reduced, and nested graph tasks closed."""
 
-    root_task: int = -1
     pending: bool = False
     ended: set[int] = field(default_factory=set)
 
 
-_ACTIVE: dict[int, _Phases] = {}
-"""``id(engine) -> _Phases`` for the engines inside a routed backward right now."""
+@dataclass
+class Route:
+    """One routed backward: every trainable engine by name, and the ones entered so far.
+
+    Engines are entered (prologue) before the backward in name order, and any engine whose first
+    gradient arrives during it (behind a reentrant checkpoint) is entered then; epilogues run after it
+    in name order. Every rank runs the same code on the same graph, so every rank enters the same
+    engines and runs their epilogues (collectives at ZeRO-2/3) in the same order.
+    """
+
+    engines: Mapping[str, DeepSpeedEngine]
+    entered: dict[str, _Phases] = field(default_factory=dict)
+    root_task: int = -1
+
+    def enter(self, name: str) -> _Phases:
+        """Run ``name``'s prologue, as ``engine.backward`` does, and mark it as inside a backward.
+
+        ``_running_engine_backward`` makes DeepSpeed's queued post-backward callback skip the epilogue
+        (``DeepSpeedEngine._backward_post_hook``) and lets stage 0 accept a direct ``tensor.backward()``.
+        The hook counters are reset first, as ``engine.forward`` would before its backward.
+        """
+        engine = self.engines[name]
+        with engine._running_engine_backward_lock:
+            engine._running_engine_backward_count += 1
+            engine._running_engine_backward = True
+        phases = self.entered[name] = _Phases()
+        if isinstance(engine.optimizer, ZeROOptimizer):
+            engine.optimizer.clear_backward_seen_flag()
+        engine._backward_prologue()
+        return phases
+
+    def finish(self) -> None:
+        """Run the epilogue of every entered engine, in name order, after a backward that completed.
+
+        At ZeRO-2, when every gradient was already reduced at the end of a nested phase (an engine wholly
+        inside a reentrant checkpoint), the epilogue runs without its reduction: ZeRO-2 cannot reduce an
+        empty bucket (IndexError in ``reduce_ipg_grads``, DeepSpeed 0.19.8).
+        """
+        for name in sorted(self.entered):
+            engine, phases = self.engines[name], self.entered[name]
+            nothing_left = phases.ended and not phases.pending
+            if nothing_left and engine.zero_optimization_stage() == 2 and not is_deferred(engine):
+                with reduction_skipped(engine):
+                    engine._backward_epilogue()
+            else:
+                engine._backward_epilogue()
+
+    def leave(self) -> None:
+        """Take every entered engine out of the backward, whether or not it completed."""
+        for name in self.entered:
+            engine = self.engines[name]
+            with engine._running_engine_backward_lock:
+                engine._running_engine_backward_count -= 1
+                engine._running_engine_backward = engine._running_engine_backward_count > 0
 
 
-def watch_phases(engine: DeepSpeedEngine) -> None:
-    """Hook ``engine``'s trainable parameters so a routed backward sees when their gradients arrive.
+_ROUTE: Route | None = None
+"""The routed backward running now. Module-global, not thread-local: autograd runs a CUDA backward,
+and so the parameter hooks below, on its own device thread."""
 
-    Under reentrant activation checkpointing every checkpointed segment runs its own nested backward
-    (its own autograd graph task). A parameter used in two segments (a checkpointed discriminator
-    called on real and on fake data) then receives its gradient twice in one backward, which ZeRO-2/3
-    can only reduce if an epilogue runs in between. DeepSpeed's post-backward callback runs once, at
-    the end of the outer graph task, so the strategy closes each nested phase itself.
+
+def watch_gradients(name: str, engine: DeepSpeedEngine) -> None:
+    """Hook ``engine``'s trainable parameters (once, at setup) so a routed backward sees their gradients arrive.
+
+    The hook is a tensor hook, so it runs before the gradient is accumulated and before ZeRO's own
+    reduction hooks (which DeepSpeed registers after accumulation). It does two things:
+
+    * it enters the engine if the walk did not (its parameters were behind a reentrant checkpoint);
+    * under reentrant activation checkpointing every checkpointed segment runs its own nested backward
+      (its own autograd graph task). A parameter used in two segments (a checkpointed discriminator
+      called on real and on fake data) then receives its gradient twice in one backward, which ZeRO-2/3
+      can only reduce if an epilogue runs in between. DeepSpeed's post-backward callback runs once, at
+      the end of the outer graph task, so the strategy closes each nested phase itself.
     """
     for param in engine.module.parameters():
         if param.requires_grad:
-            param.register_post_accumulate_grad_hook(functools.partial(_on_gradient, engine))
+            param.register_hook(functools.partial(_on_gradient, name, engine))
 
 
-def _on_gradient(engine: DeepSpeedEngine, param: torch.Tensor) -> None:
-    phases = _ACTIVE.get(id(engine))
-    if phases is None:
+def _on_gradient(name: str, engine: DeepSpeedEngine, grad: torch.Tensor) -> None:
+    route = _ROUTE
+    if route is None or route.engines.get(name) is not engine:
         return
+    phases = route.entered.get(name) or route.enter(name)
     phases.pending = True
     task = torch._C._current_graph_task_id()
-    if task in (phases.root_task, -1) or task in phases.ended:
+    if task in (route.root_task, -1) or task in phases.ended:
         return
     phases.ended.add(task)
     torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_phase(engine, phases))
@@ -129,47 +160,33 @@ def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:
 
 
 @contextmanager
-def _engine_backward(engine: DeepSpeedEngine, phases: _Phases) -> Iterator[None]:
-    """Run ``engine``'s prologue on entry and its epilogue on a clean exit, as ``engine.backward`` does.
+def routed(loss: torch.Tensor, engines: Mapping[str, DeepSpeedEngine], reach: Reach) -> Iterator[Route]:
+    """Run the body (one ``loss.backward()``) inside the prologue/epilogue of every engine it reaches.
 
-    ``_running_engine_backward`` makes DeepSpeed's queued post-backward callback skip the epilogue
-    (``DeepSpeedEngine._backward_post_hook``) and lets stage 0 accept a direct ``tensor.backward()``.
-    The hook counters are reset first, as ``engine.forward`` would before its backward.
+    Args:
+        loss: the tensor the body backpropagates.
+        engines: every trainable engine, by name; each must be watched (:func:`watch_gradients`).
+        reach: what the walk found; those engines are entered before the body, in name order.
+
+    On an exception the epilogues are skipped and every entered engine leaves the backward.
     """
-    with engine._running_engine_backward_lock:
-        engine._running_engine_backward_count += 1
-        engine._running_engine_backward = True
-    _ACTIVE[id(engine)] = phases
-    try:
-        if isinstance(engine.optimizer, ZeROOptimizer):
-            engine.optimizer.clear_backward_seen_flag()
-        engine._backward_prologue()
-        yield
-        engine._backward_epilogue()
-    finally:
-        _ACTIVE.pop(id(engine), None)
-        with engine._running_engine_backward_lock:
-            engine._running_engine_backward_count -= 1
-            engine._running_engine_backward = engine._running_engine_backward_count > 0
-
-
-@contextmanager
-def engines_backward(loss: torch.Tensor, engines: Iterable[DeepSpeedEngine]) -> Iterator[None]:
-    """Run the body (one ``loss.backward()``) inside the prologue/epilogue of each engine in ``engines``."""
-    phases = {id(engine): _Phases() for engine in engines}
+    global _ROUTE
+    route = Route(engines)
 
     def record_root(grad: torch.Tensor) -> torch.Tensor:
-        for state in phases.values():
-            state.root_task = torch._C._current_graph_task_id()
+        route.root_task = torch._C._current_graph_task_id()
         return grad
 
     handle = loss.register_hook(record_root) if loss.requires_grad else None
+    previous, _ROUTE = _ROUTE, route
     try:
-        with ExitStack() as stack:
-            for engine in engines:
-                stack.enter_context(_engine_backward(engine, phases[id(engine)]))
-            yield
+        for name in sorted(reach.names):
+            route.enter(name)
+        yield route
+        route.finish()
     finally:
+        _ROUTE = previous
+        route.leave()
         if handle is not None:
             handle.remove()
 

@@ -24,8 +24,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 
-from lightning_multids.backward import reached_engines, watch_phases
+from lightning_multids import backward as routing
 from lightning_multids.config import engine_config, frozen_config, merge
+from lightning_multids.discovery import reached_engines
 from lightning_multids.engines import (
     build_engine,
     build_frozen_engine,
@@ -56,7 +57,7 @@ class EngineSet:
         """Record a trainable engine, its optimizer for Lightning, and the parameters a backward can reach."""
         refuse_direct_calls(name, engine)
         self.engines[name] = engine
-        watch_phases(engine)
+        routing.watch_gradients(name, engine)
         self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
         self.owners.update({id(p): name for p in engine.module.parameters()})
 
@@ -64,22 +65,37 @@ class EngineSet:
         """The names of the frozen (optimizer-less) engines."""
         return set(self.engines) - {optimizer.name for optimizer in self.optimizers}
 
-    def reached_by(self, loss: torch.Tensor) -> dict[str, DeepSpeedEngine]:
-        """The trainable engines ``loss`` reaches; raises if it reaches none (it would train nothing)."""
-        names = reached_engines(loss, self.owners)
-        if not names:
-            trainable = ", ".join(repr(o.name) for o in self.optimizers)
-            raise ValueError(
-                f"`manual_backward` got a loss that reaches no trainable engine ({trainable}): it would train "
-                "nothing. Compute the loss from the outputs of those submodules without `.detach()` or "
-                "`torch.no_grad()`, and check that `toggle_optimizer` has not turned off the gradients of the engine "
-                "you mean to train."
-            )
+    @contextmanager
+    def backward(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Route the body's backward of the yielded (loss-scaled) tensor through every engine ``loss`` reaches.
+
+        Raises if ``loss`` reaches no trainable engine (it would train nothing): before the backward when
+        the graph shows everything, after it when a reentrant checkpoint hid part of the graph.
+        """
+        reach = reached_engines(loss, self.owners)
+        if not reach.names and not reach.hidden:
+            self._refuse_untrained()
+        trainable = {optimizer.name: self.engines[optimizer.name] for optimizer in self.optimizers}
+        # fp16 engines: each sees its own loss scale; behind a hidden part any engine may be reached
+        scaled = trainable if reach.hidden else {name: trainable[name] for name in reach.names}
+        scale, factors = routing.loss_scaling(scaled)
+        with routing.routed(loss, trainable, reach) as route, routing.gradients_rescaled(scaled, factors):
+            yield loss * scale if scale != 1.0 else loss
+        if not route.entered:
+            self._refuse_untrained()
         self.backward_calls += 1
         for optimizer in self.optimizers:
-            if optimizer.name in names:
+            if optimizer.name in route.entered:
                 optimizer.has_gradients = True
-        return {name: self.engines[name] for name in names}
+
+    def _refuse_untrained(self) -> None:
+        trainable = ", ".join(repr(o.name) for o in self.optimizers)
+        raise ValueError(
+            f"`manual_backward` got a loss that reaches no trainable engine ({trainable}): it would train "
+            "nothing. Compute the loss from the outputs of those submodules without `.detach()` or "
+            "`torch.no_grad()`, and check that `toggle_optimizer` has not turned off the gradients of the engine "
+            "you mean to train."
+        )
 
     def trainable(self, names: tuple[str, ...], *, what: str) -> dict[str, DeepSpeedEngine]:
         """The trainable engines called ``names`` (all of them when empty); ``what`` names the caller in errors."""

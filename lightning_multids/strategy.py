@@ -23,7 +23,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_multids import backward as routing
 from lightning_multids import checkpoint as checkpoints
 from lightning_multids import sync
 from lightning_multids.config import engine_config, load_config, validate_stage
@@ -206,10 +205,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backpropagate ``closure_loss`` inside the prologue/epilogue of every engine it reaches."""
-        engines = self._engine_set.reached_by(closure_loss)
-        scale, factors = routing.loss_scaling(engines)  # fp16 engines: each sees its own loss scale
-        loss = closure_loss * scale if scale != 1.0 else closure_loss
-        with routing.engines_backward(loss, engines.values()), routing.gradients_rescaled(engines, factors):
+        with self._engine_set.backward(closure_loss) as loss:
             super().backward(loss, optimizer, *args, **kwargs)
         return closure_loss
 

@@ -111,6 +111,16 @@ def is_deferred(engine: DeepSpeedEngine) -> bool:
 
 
 @contextmanager
+def reduction_skipped(engine: DeepSpeedEngine) -> Iterator[None]:
+    """Run the body with DeepSpeed's no_sync flag set, so that ``engine``'s backward epilogue reduces nothing."""
+    engine.inside_no_sync_ctxt = True
+    try:
+        yield
+    finally:
+        engine.inside_no_sync_ctxt = False
+
+
+@contextmanager
 def deferred_reduction(engines: Mapping[str, DeepSpeedEngine]) -> Iterator[None]:
     """Keep the gradients of ``engines`` local during the body; reduce each engine once when it ends.
 

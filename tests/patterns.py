@@ -38,16 +38,34 @@ class CheckpointedMLP(nn.Sequential):
         )
 
 
+class WhollyCheckpointedMLP(nn.Sequential):
+    """``Linear, Tanh, Linear`` run whole under a reentrant checkpoint: no parameter shows in the graph.
+
+    A reentrant checkpoint whose inputs need no gradient gives none; an extra input that needs one (what
+    Hugging Face's ``enable_input_require_grads`` does for reentrant gradient checkpointing) makes the
+    recomputation's backward reach every parameter, which the graph before the backward does not show.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        anchor = torch.ones((), requires_grad=True)
+        return torch.utils.checkpoint.checkpoint(
+            lambda h, a: super(WhollyCheckpointedMLP, self).forward(h) * a, x, anchor, use_reentrant=True
+        )
+
+
 def make_modules(seed: int = 0, checkpoint: str | None = None) -> tuple[nn.Module, nn.Module]:
     """A small generator (4 -> 6) and discriminator (6 -> 1), the same for a given seed.
 
-    ``checkpoint="reentrant"`` or ``"non_reentrant"`` builds both with activation checkpointing inside.
+    ``checkpoint="reentrant"`` or ``"non_reentrant"`` builds both with activation checkpointing inside;
+    ``"hidden"`` runs each whole inside a reentrant checkpoint.
     """
     torch.manual_seed(seed)
     layers_g = (nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 6))
     layers_d = (nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
     if checkpoint is None:
         return nn.Sequential(*layers_g), nn.Sequential(*layers_d)
+    if checkpoint == "hidden":
+        return WhollyCheckpointedMLP(*layers_g), WhollyCheckpointedMLP(*layers_d)
     reentrant = checkpoint == "reentrant"
     return CheckpointedMLP(*layers_g, use_reentrant=reentrant), CheckpointedMLP(*layers_d, use_reentrant=reentrant)
 

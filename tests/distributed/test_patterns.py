@@ -40,7 +40,9 @@ def assert_backward_state_clean(result: dict) -> None:
         assert state == {k: 0 for k in state}, f"engine {name!r} left DeepSpeed state behind: {state}"
 
 
-CHECKPOINTED = [f"{pattern}+{mode}" for pattern in ("gan", "accumulate") for mode in ("reentrant", "non_reentrant")]
+CHECKPOINTED = [
+    f"{pattern}+{mode}" for pattern in ("gan", "accumulate") for mode in ("reentrant", "non_reentrant", "hidden")
+]
 
 
 @pytest.fixture(scope="module", params=[0, 1, 2, 3], ids=lambda stage: f"zero{stage}")
@@ -60,7 +62,11 @@ def test_every_pattern_matches_pytorch_with_sgd(sgd_run: dict) -> None:
 
 
 def test_activation_checkpointing_inside_engines_gives_the_same_weights(sgd_run: dict) -> None:
-    """DeepSpeed's gradient hooks fire in several phases under checkpointing; the result must not change."""
+    """DeepSpeed's gradient hooks fire in several phases under checkpointing; the result must not change.
+
+    ``+hidden`` puts each engine wholly inside a reentrant checkpoint: the engines are found only during
+    the backward, when the checkpoint recomputes them.
+    """
     for name in CHECKPOINTED:
         expected = patterns.reference(name.split("+")[0], "sgd", 4)  # plain modules, no checkpointing
         assert_matches(sgd_run[name]["weights"], expected, TOLERANCE)
@@ -90,3 +96,4 @@ def test_bf16_gan_trains_close_to_fp32(tmp_path: Path) -> None:
     assert result["dtype"] == "torch.bfloat16"
     # bf16 keeps ~3 significant digits: compare with the fp32 reference at that resolution.
     assert_matches(result["weights"], patterns.reference("gan", "sgd", 4), 3e-2)
+

@@ -1,0 +1,222 @@
+"""Engine discovery on hundreds of random graphs: the engines found are those autograd gives a gradient.
+
+Each graph is built from four trainable engines, a frozen engine, a plain submodule and two inputs, with
+the operations users write: an engine called twice, engines chained, a submodule of one engine called
+inside another's path, ``detach``, ``no_grad`` segments, an engine toggled off (``toggle_optimizer``),
+reentrant and non-reentrant activation checkpointing. The reference is autograd itself:
+``torch.autograd.grad(loss, params, allow_unused=True)``, or, for graphs with a reentrant checkpoint
+(which ``autograd.grad`` refuses), the parameters whose ``.grad`` a plain backward fills.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_multids import backward as routing
+from lightning_multids.discovery import Reach, reached_engines
+
+TRAINABLE = ("a", "b", "c", "d")
+GRAPHS = 400
+
+
+class FakeEngine:
+    """What the routing code touches of a DeepSpeed engine, recording prologue and epilogue calls."""
+
+    def __init__(self, name: str, module: nn.Module, calls: list[tuple[str, str]]) -> None:
+        self.name, self.module, self.calls = name, module, calls
+        self.optimizer = None
+        self._running_engine_backward_lock = threading.Lock()
+        self._running_engine_backward_count = 0
+        self._running_engine_backward = False
+
+    def _backward_prologue(self) -> None:
+        assert self._running_engine_backward
+        self.calls.append(("prologue", self.name))
+
+    def _backward_epilogue(self) -> None:
+        assert self._running_engine_backward
+        self.calls.append(("epilogue", self.name))
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return False
+
+    def zero_optimization_stage(self) -> int:
+        return 0
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+
+class Graph:
+    """Random modules and a random loss over them; ``build`` returns the loss, or None if it needs no gradient."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        torch.manual_seed(seed)
+        self.modules: dict[str, nn.Module] = {name: mlp() for name in (*TRAINABLE, "frozen", "plain")}
+        self.modules["frozen"].requires_grad_(False)
+        self.reentrant = False
+
+    def owners(self) -> dict[int, str]:
+        return {id(p): name for name in TRAINABLE for p in self.modules[name].parameters()}
+
+    def call(self, x: torch.Tensor) -> torch.Tensor:
+        """One engine, two chained, or a submodule of one engine inside another's path."""
+        names = list(self.modules)
+        first, second = self.rng.choice(names), self.rng.choice(names)
+        kind = self.rng.choice(("one", "chain", "shared"))
+        if kind == "one":
+            return self.modules[first](x)
+        if kind == "chain":
+            return self.modules[second](self.modules[first](x))
+        return self.modules[second][2](torch.tanh(self.modules[first][0](x)))  # type: ignore[index]
+
+    def checkpointed(self, x: torch.Tensor) -> torch.Tensor:
+        reentrant = self.rng.random() < 0.5
+        self.reentrant |= reentrant
+        seed = self.rng.random()
+
+        def segment(h: torch.Tensor) -> torch.Tensor:
+            local = random.Random(seed)  # the recomputation must take the same path
+            state, self.rng = self.rng, local
+            try:
+                return self.call(h)
+            finally:
+                self.rng = state
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "None of the inputs have requires_grad=True": a valid case here
+            return checkpoint(segment, x, use_reentrant=reentrant)
+
+    def build(self) -> torch.Tensor | None:
+        pool = [torch.randn(3, 4), torch.randn(3, 4).requires_grad_(self.rng.random() < 0.5)]
+        for name in self.rng.sample(TRAINABLE, self.rng.choice((0, 0, 1, 2))):
+            # toggle_optimizer: off before the forward, on again after the backward
+            self.modules[name].requires_grad_(False)
+        for _ in range(self.rng.randint(2, 8)):
+            x = self.rng.choice(pool)
+            op = self.rng.choice(("call", "call", "detach", "no_grad", "checkpoint", "combine"))
+            if op == "call":
+                pool.append(self.call(x))
+            elif op == "detach":
+                pool.append(x.detach())
+            elif op == "no_grad":
+                with torch.no_grad():
+                    pool.append(self.call(x))
+            elif op == "checkpoint":
+                pool.append(self.checkpointed(x))
+            else:
+                pool.append(x * self.rng.choice(pool) + self.rng.choice(pool))
+        loss = sum(t.sum() for t in self.rng.sample(pool, self.rng.randint(1, len(pool))))
+        assert isinstance(loss, torch.Tensor)
+        return loss if loss.requires_grad else None
+
+    def params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for name in TRAINABLE for p in self.modules[name].parameters() if p.requires_grad]
+
+
+def autograd_reach(graph: Graph, loss: torch.Tensor) -> set[str]:
+    """The engines autograd gives a gradient, without running any hook of the strategy's."""
+    named = graph.params()
+    grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True, retain_graph=True)
+    return {name for (name, _), grad in zip(named, grads, strict=True) if grad is not None}
+
+
+def routed_backward(graph: Graph, loss: torch.Tensor, reach: Reach) -> tuple[set[str], list[tuple[str, str]]]:
+    """Backpropagate ``loss`` through the strategy's routing with watched fake engines."""
+    calls: list[tuple[str, str]] = []
+    engines = {name: FakeEngine(name, graph.modules[name], calls) for name in TRAINABLE}
+    for name, engine in engines.items():
+        routing.watch_gradients(name, engine)  # type: ignore[arg-type]
+    with routing.routed(loss, engines, reach) as route:  # type: ignore[arg-type]
+        loss.backward()
+    assert not any(engine._running_engine_backward for engine in engines.values())
+    return set(route.entered), calls
+
+
+def check(seed: int, walk: Callable[[torch.Tensor, dict[int, str]], Reach] = reached_engines) -> str | None:
+    """Return what went wrong on graph ``seed``, or None."""
+    graph = Graph(seed)
+    loss = graph.build()
+    if loss is None:
+        return None
+    return compare(graph, loss, walk)
+
+
+def compare(graph: Graph, loss: torch.Tensor, walk: Callable[[torch.Tensor, dict[int, str]], Reach]) -> str | None:
+    reach = walk(loss, graph.owners())
+    if graph.reentrant:  # autograd.grad refuses reentrant checkpoints: read .grad after a plain backward
+        entered, calls = routed_backward(graph, loss, reach)
+        expected = {name for name, p in graph.params() if p.grad is not None}
+        if not reach.names <= expected or (expected - reach.names and not reach.hidden):
+            return f"walk found {sorted(reach.names)} (hidden={reach.hidden}), autograd reached {sorted(expected)}"
+    else:
+        expected = autograd_reach(graph, loss)
+        if set(reach.names) != expected:
+            return f"walk found {sorted(reach.names)}, autograd reached {sorted(expected)}"
+        entered, calls = routed_backward(graph, loss, reach)
+    if entered != expected:
+        return f"entered {sorted(entered)}, autograd reached {sorted(expected)}"
+    prologues = [name for kind, name in calls if kind == "prologue"]
+    epilogues = [name for kind, name in calls if kind == "epilogue"]
+    if sorted(prologues) != sorted(expected) or epilogues != sorted(expected):
+        return f"prologues {prologues}, epilogues {epilogues}: want each of {sorted(expected)} once, in name order"
+    return None
+
+
+def test_engines_found_are_the_engines_autograd_reaches() -> None:
+    failures = {seed: error for seed in range(GRAPHS) if (error := check(seed)) is not None}
+    assert not failures, f"{len(failures)} of {GRAPHS} graphs, e.g. {list(failures.items())[:3]}"
+
+
+def test_the_generator_covers_every_case() -> None:
+    """The random graphs do hit the cases named above, hidden engines behind reentrant checkpoints included."""
+    hidden_only = 0
+    for seed in range(GRAPHS):
+        graph = Graph(seed)
+        loss = graph.build()
+        if loss is not None and graph.reentrant:
+            reach = reached_engines(loss, graph.owners())
+            entered, _ = routed_backward(graph, loss, reach)
+            hidden_only += bool(entered - reach.names)
+    assert hidden_only >= 10
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_an_engine_inside_a_checkpoint_is_entered_once(reentrant: bool) -> None:
+    """``D(G(z))`` with both engines wholly inside one checkpoint: with reentrant, the walk cannot see them."""
+    graph = Graph(0)
+    z = torch.randn(2, 4, requires_grad=True)
+    g, d = graph.modules["a"], graph.modules["b"]
+    loss = checkpoint(lambda h: d(g(h)), z, use_reentrant=reentrant).sum()
+    reach = reached_engines(loss, graph.owners())
+    assert reach.hidden == reentrant
+    assert reach.names == (frozenset() if reentrant else {"a", "b"})
+    entered, calls = routed_backward(graph, loss, reach)
+    assert entered == {"a", "b"}
+    assert [c for c in calls if c[0] == "epilogue"] == [("epilogue", "a"), ("epilogue", "b")]
+
+
+def test_an_exception_in_backward_leaves_every_engine_out_of_it() -> None:
+    graph = Graph(0)
+    engines = {name: FakeEngine(name, graph.modules[name], []) for name in TRAINABLE}
+    for name, engine in engines.items():
+        routing.watch_gradients(name, engine)  # type: ignore[arg-type]
+    loss = graph.modules["b"](graph.modules["a"](torch.randn(2, 4))).sum()
+    reach = reached_engines(loss, graph.owners())
+    with pytest.raises(RuntimeError, match="out of memory"), routing.routed(loss, engines, reach):  # type: ignore[arg-type]
+        raise RuntimeError("out of memory")
+    assert not any(e._running_engine_backward or e._running_engine_backward_count for e in engines.values())
+    assert engines["a"].calls == [("prologue", "a")]  # no epilogue over a failed backward
+    assert routing._ROUTE is None
+    loss.backward()  # outside a route the engines' hooks do nothing
+    assert engines["a"].calls == [("prologue", "a")] and not engines["c"].calls
