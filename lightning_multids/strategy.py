@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
 from lightning_multids import sync
 from lightning_multids.config import engine_config, load_config, validate_stage
@@ -118,7 +119,12 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        """Start torch.distributed as DDP does, then let DeepSpeed's comm layer use the same group."""
+        """Point DeepSpeed at Lightning's accelerator, start torch.distributed as DDP does, and share the group.
+
+        DDP chooses the process group backend from the device (gloo on CPU, nccl on CUDA); DeepSpeed's comm
+        layer and engines then run on the same accelerator as Lightning.
+        """
+        ds_accelerator.follow(self.root_device.type)
         super().setup_distributed()
         deepspeed.init_distributed(dist_backend=self._process_group_backend, auto_mpi_discovery=False, verbose=False)
 
