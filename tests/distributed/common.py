@@ -15,12 +15,13 @@ def cpu_trainer(strategy: pl.strategies.Strategy, **kwargs: Any) -> pl.Trainer:
     """A Trainer on 2 CPU processes with ``strategy``, no logger, progress bar or summary; ``kwargs`` win.
 
     With ``TEST_NUM_NODES=2`` in the environment (see ``harness.run_ranks(nodes=2)``) the 2 processes are
-    2 nodes of 1 process each.
+    2 nodes of 1 process each. The GPU suite runs the same scripts as one process on one GPU:
+    ``TEST_ACCELERATOR=gpu`` and ``WORLD_SIZE=1`` (see ``harness.run_ranks(world_size=1)``).
     """
     nodes = int(os.environ.get("TEST_NUM_NODES", "1"))
     options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 2 // nodes,
+        "accelerator": os.environ.get("TEST_ACCELERATOR", "cpu"),
+        "devices": world_size() // nodes,
         "num_nodes": nodes,
         "max_epochs": 1,
         **QUIET,
@@ -29,8 +30,20 @@ def cpu_trainer(strategy: pl.strategies.Strategy, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(strategy=strategy, **options)
 
 
+_WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "2"))  # read at import: Lightning deletes it when a fit ends
+
+
+def world_size() -> int:
+    """The number of processes the harness started (2 unless the GPU suite asks for 1)."""
+    return _WORLD_SIZE
+
+
 def sharded_loader(module: pl.LightningModule, data: torch.Tensor, batch_size: int = 4) -> torch.utils.data.DataLoader:
-    """This rank's share of ``data`` in order (rank r gets rows r, r + 2, ...), so a test knows the global batch."""
+    """This rank's share of ``data`` in order (rank r gets rows r, r + 2, ...), so a test knows the global batch.
+
+    ``batch_size`` is the per-rank batch on 2 ranks: on 1 rank it doubles, so the global batch is the same.
+    """
+    batch_size = batch_size * 2 // world_size()
     sampler = torch.utils.data.DistributedSampler(
         data, num_replicas=module.trainer.world_size, rank=module.global_rank, shuffle=False
     )

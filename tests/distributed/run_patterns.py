@@ -7,11 +7,14 @@ PATTERN is one of ``patterns.PATTERNS`` or ``automatic`` (single optimizer, auto
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
 import lightning.pytorch as pl
 import torch
+from deepspeed.accelerator import get_accelerator, set_accelerator
+from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
 from lightning_multids import MultiDeepSpeedStrategy
@@ -26,10 +29,13 @@ class PatternModule(pl.LightningModule):
 
     def __init__(self, pattern: str, optimizer: str, steps: int) -> None:
         super().__init__()
-        # "gan+reentrant": the gan pattern with activation checkpointing inside both engines
-        self.pattern, _, checkpoint = pattern.partition("+")
+        # "gan+reentrant": the gan pattern with activation checkpointing inside both engines;
+        # "gan+validated": the gan pattern with a validation run every 2 training steps
+        self.pattern, _, variant = pattern.partition("+")
         self.optimizer_name, self.steps = optimizer, steps
-        self.generator, self.discriminator = patterns.make_modules(checkpoint=checkpoint or None)
+        self.validated = variant == "validated"
+        checkpoint = None if self.validated else variant or None
+        self.generator, self.discriminator = patterns.make_modules(checkpoint=checkpoint)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt_g, opt_d = self.optimizers()
@@ -53,6 +59,17 @@ class PatternModule(pl.LightningModule):
         return sharded_loader(self, data)
 
 
+class ValidatedModule(PatternModule):
+    """A pattern module that Lightning also validates during fit (every 2 training steps, see ``main``)."""
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        real, z = patterns.split(batch)
+        self.log("val_loss", self.discriminator(self.generator(z)).mean() - self.discriminator(real).mean())
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self.train_dataloader()
+
+
 class AutomaticModule(pl.LightningModule):
     """One submodule, one optimizer and scheduler, written for automatic optimization."""
 
@@ -73,6 +90,12 @@ class AutomaticModule(pl.LightningModule):
         return PatternModule.train_dataloader(self)  # type: ignore[arg-type]
 
 
+FP16_SCALES = {  # two fp16 engines at different loss scales (GPU only: fp16 does not run on CPU)
+    "generator": {"fp16": {"enabled": True, "initial_scale_power": 8}},
+    "discriminator": {"fp16": {"enabled": True, "initial_scale_power": 4}},
+}
+
+
 def backward_state(engine) -> dict[str, float]:
     state = {"running_backward": int(engine._running_engine_backward_count), "clipping": engine.gradient_clipping()}
     if isinstance(engine.optimizer, ZeROOptimizer):
@@ -82,28 +105,41 @@ def backward_state(engine) -> dict[str, float]:
 
 def main() -> None:
     out, stage, optimizer, steps, precision, *names = sys.argv[1:]
+    if os.environ.get("TEST_DEEPSPEED_CHOSE_CUDA"):
+        set_accelerator(CUDA_Accelerator())  # what DeepSpeed picks by itself on a machine with a GPU
     results = {}
     for pattern in names:
+        validated = pattern.endswith("+validated")
         if pattern == "automatic":
             module = AutomaticModule(int(steps))
+        elif validated:
+            module = ValidatedModule(pattern, optimizer, int(steps))
         else:
             module = PatternModule(pattern, optimizer, int(steps))
-        strategy = MultiDeepSpeedStrategy(stage=int(stage))
+        strategy = MultiDeepSpeedStrategy(stage=int(stage), engines=FP16_SCALES if precision == "16-mixed" else None)
         trainer = cpu_trainer(
             strategy,
             precision=precision,
             accumulate_grad_batches=2 if pattern == "automatic" else 1,
             enable_checkpointing=False,
             use_distributed_sampler=False,
+            **({"val_check_interval": 2, "limit_val_batches": 1} if validated else {}),
         )
         trainer.fit(module)
         state = strategy.consolidated_state_dict()  # every rank: gathers ZeRO-3 partitions
+        device = str(next(module.generator.parameters()).device)
         results[pattern] = {
             "weights": {k: v.float().clone() for k, v in state.items()},
             "engines": {name: backward_state(e) for name, e in strategy.engines.items()},
             "automatic": module.automatic_optimization,
             "dtype": str(next(module.generator.parameters()).dtype),
             "lr": [group["lr"] for opt in strategy.optimizers for group in opt.param_groups],
+            "device": device,
+            "ds_accelerator": get_accelerator().device_name(),
+            "loss_scales": {
+                name: float(getattr(e.optimizer, "loss_scale", 0.0)) for name, e in strategy.engines.items()
+            },
+            "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
         }
     if trainer.global_rank == 0:
         torch.save(results, out)

@@ -20,7 +20,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.distributed.harness import REPO, free_port
 
-CLI = Path(sys.executable).with_name("lightning-multids")
+SCRIPT = Path(sys.executable).with_name("lightning-multids")
+# The console script of this environment; where the package is only on PYTHONPATH (the GPU machine), the module.
+CLI = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "lightning_multids.cli"]
 SHORT = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2"]
 SHORT += ["--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1"]
 
@@ -35,7 +37,7 @@ def lightning_multids(workdir: Path, *args: str, timeout: float = 300) -> str:
     """Run the console script in ``workdir``; return its output, or fail with it (also on a hang)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        [str(CLI), *args],
+        [*CLI, *args],
         cwd=workdir,
         env=env,
         stdout=subprocess.PIPE,

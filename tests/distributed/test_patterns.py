@@ -97,3 +97,11 @@ def test_bf16_gan_trains_close_to_fp32(tmp_path: Path) -> None:
     # bf16 keeps ~3 significant digits: compare with the fp32 reference at that resolution.
     assert_matches(result["weights"], patterns.reference("gan", "sgd", 4), 3e-2)
 
+
+def test_cpu_training_when_deepspeed_chose_cuda(tmp_path: Path) -> None:
+    """``Trainer(accelerator="cpu")`` on a GPU machine, where DeepSpeed picks CUDA by itself at import."""
+    out = tmp_path / "weights.pt"
+    run_ranks(RUNNER, str(out), "2", "sgd", "4", "32-true", "gan", env={"TEST_DEEPSPEED_CHOSE_CUDA": "1"})
+    result = torch.load(out)["gan"]
+    assert (result["device"], result["ds_accelerator"]) == ("cpu", "cpu")
+    assert_matches(result["weights"], patterns.reference("gan", "sgd", 4), TOLERANCE)

@@ -1,0 +1,138 @@
+"""The equivalence suite on one GPU: one process, nccl, the same runner scripts as the 2-rank CPU suite.
+
+Run with ``make test-gpu``; skipped with "no CUDA" where there is none. With nccl, Lightning evaluates
+under ``torch.inference_mode`` (with gloo under ``no_grad``), and autograd runs a CUDA backward on its own
+device thread: both differ from the CPU suite.
+
+``GPU_SUITE_ON_CPU=1`` runs the same tests as one CPU process over gloo (fp16 excepted), to check the
+suite itself on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import patterns
+from tests.distributed import test_frozen, test_gradcache
+from tests.distributed.harness import run_ranks
+from tests.distributed.test_examples import SHORT, events, lightning_multids, workdir  # noqa: F401 (fixture)
+from tests.distributed.test_patterns import CHECKPOINTED, TOLERANCE, assert_backward_state_clean, assert_matches
+
+ON_CPU = os.environ.get("GPU_SUITE_ON_CPU") == "1"
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() and not ON_CPU, reason="no CUDA: the GPU suite needs a CUDA device"
+    ),
+]
+
+DISTRIBUTED = Path(__file__).parents[1] / "distributed"
+ACCELERATOR = "cpu" if ON_CPU else "gpu"
+ONE_GPU = {"TEST_ACCELERATOR": ACCELERATOR}
+GPU_CLI = [f"--trainer.accelerator={ACCELERATOR}", "--trainer.devices=1"]
+DEVICE = ("cpu", "cpu") if ON_CPU else ("cuda:0", "cuda")
+FP16 = pytest.mark.skipif(ON_CPU, reason="fp16 does not run on CPU")
+
+
+def run_on_gpu(runner: str, out: Path, *args: str) -> None:
+    run_ranks(DISTRIBUTED / runner, str(out), *args, world_size=1, env=ONE_GPU, timeout=600)
+
+
+def train(tmp_path: Path, stage: int, optimizer: str, steps: int, precision: str, *names: str) -> dict:
+    out = tmp_path / "weights.pt"
+    run_on_gpu("run_patterns.py", out, str(stage), optimizer, str(steps), precision, *names)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gan_patterns_match_pytorch(tmp_path: Path, stage: int) -> None:
+    results = train(tmp_path, stage, "sgd", 4, "32-true", *patterns.PATTERNS, *CHECKPOINTED)
+    for name, result in results.items():
+        assert (result["device"], result["ds_accelerator"]) == DEVICE
+        assert_matches(result["weights"], patterns.reference(name.split("+")[0], "sgd", 4), TOLERANCE)
+        assert_backward_state_clean(result)
+
+
+def test_gan_with_adam_at_zero3_matches_pytorch(tmp_path: Path) -> None:
+    results = train(tmp_path, 3, "adam", 12, "32-true", "gan", "gan_toggle")
+    for pattern, result in results.items():
+        assert_matches(result["weights"], patterns.reference(pattern, "adam", 12), TOLERANCE)
+
+
+def test_bf16_gan_trains_close_to_fp32(tmp_path: Path) -> None:
+    result = train(tmp_path, 2, "sgd", 4, "bf16-mixed", "gan")["gan"]
+    assert result["dtype"] == "torch.bfloat16"
+    assert_matches(result["weights"], patterns.reference("gan", "sgd", 4), 3e-2)
+
+
+@FP16
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_fp16_engines_at_different_loss_scales_share_one_loss(tmp_path: Path, stage: int) -> None:
+    """One loss through the generator (scale 2^8) and the discriminator (2^4): each steps at its own scale."""
+    result = train(tmp_path, stage, "sgd", 4, "16-mixed", "shared")["shared"]
+    assert result["dtype"] == "torch.float16"
+    if stage > 0:  # ZeRO optimizers expose their scale; no overflow, so the initial scales hold
+        assert result["loss_scales"] == {"generator": 2.0**8, "discriminator": 2.0**4}
+    # fp16 keeps ~3 significant digits: compare with the fp32 reference at that resolution.
+    assert_matches(result["weights"], patterns.reference("shared", "sgd", 4), 3e-2)
+
+
+def test_validation_during_fit_at_zero3_leaves_training_equal(tmp_path: Path) -> None:
+    """Lightning validates under inference_mode with nccl; ZeRO-3 gathers inside it, then training goes on."""
+    result = train(tmp_path, 3, "sgd", 4, "32-true", "gan+validated")["gan+validated"]
+    assert math.isfinite(result["val_loss"])
+    assert_matches(result["weights"], patterns.reference("gan", "sgd", 4), TOLERANCE)
+
+
+def test_distillation_with_a_zero3_teacher_matches_pytorch(tmp_path: Path) -> None:
+    out = tmp_path / "frozen.pt"
+    specs = ["distill:3:1", "distill:3:2", "distill:3:3"]
+    run_on_gpu("run_frozen.py", out, str(test_frozen.STEPS), "32-true", *specs)
+    results = torch.load(out)
+    for spec in specs:
+        test_frozen.assert_matches_reference(results[spec], "distill")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grad_cache_equals_full_batch_pytorch(tmp_path: Path, stage: int) -> None:
+    out = tmp_path / "gradcache.pt"
+    run_on_gpu("run_gradcache.py", out, str(stage))
+    cases = torch.load(out)
+    test_gradcache.assert_matches(cases["two"]["weights"], test_gradcache.reference(shared=False))
+    test_gradcache.assert_matches(cases["shared"]["weights"], test_gradcache.reference(shared=True))
+
+
+def test_resume_is_bitwise_exact(tmp_path: Path) -> None:
+    out = tmp_path / "resume.pt"
+    run_on_gpu("run_resume.py", out, "gan", "0", "2", "3")
+    for stage, result in torch.load(f"{out}.0", weights_only=False).items():
+        straight, resumed = result["straight"], result["resumed"]
+        assert resumed["global_step"] == straight["global_step"] > 0
+        for key, value in straight["weights"].items():
+            assert torch.equal(value, resumed["weights"][key]), f"ZeRO-{stage}: {key} differs after resume"
+        for a, b in zip(straight["optimizer"], resumed["optimizer"], strict=True):
+            assert torch.equal(a, b), f"ZeRO-{stage}: optimizer state differs after resume"
+
+
+@pytest.mark.parametrize(
+    "precision", ["bf16-mixed", pytest.param("16-mixed", marks=pytest.mark.skipif(ON_CPU, reason="fp16"))]
+)
+def test_gan_config_trains_through_the_cli(workdir: Path, precision: str) -> None:  # noqa: F811
+    lightning_multids(
+        workdir, "fit", "--config", "configs/gan.yaml", *SHORT, *GPU_CLI, f"--trainer.precision={precision}"
+    )
+    tags = events(workdir / "outputs" / "gan" / "gan" / "version_0").Tags()
+    assert {"train/d_loss", "train/g_loss", "val/kid"} <= set(tags["scalars"]), tags["scalars"]
+
+
+def test_distillation_configs_train_through_the_cli(workdir: Path) -> None:  # noqa: F811
+    lightning_multids(workdir, "fit", "--config", "configs/distill_teacher.yaml", *SHORT, *GPU_CLI)
+    output = lightning_multids(workdir, "fit", "--config", "configs/distill.yaml", *SHORT, *GPU_CLI)
+    assert "Engines (ZeRO stage): {'student': 2, 'teacher': 3}" in output
+    tags = events(workdir / "outputs" / "distill" / "distilled" / "version_0").Tags()["scalars"]
+    assert {"train/loss", "val/accuracy", "val/teacher_accuracy"} <= set(tags), tags
