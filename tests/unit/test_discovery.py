@@ -14,6 +14,7 @@ import random
 import threading
 import warnings
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_multids import backward as routing
 from lightning_multids.discovery import Reach, reached_engines
+from lightning_multids.engine_set import EngineSet
 
 TRAINABLE = ("a", "b", "c", "d")
 GRAPHS = 400
@@ -50,6 +52,9 @@ class FakeEngine:
 
     def zero_optimization_stage(self) -> int:
         return 0
+
+    def fp16_enabled(self) -> bool:
+        return False
 
 
 def mlp() -> nn.Sequential:
@@ -220,3 +225,26 @@ def test_an_exception_in_backward_leaves_every_engine_out_of_it() -> None:
     assert routing._ROUTE is None
     loss.backward()  # outside a route the engines' hooks do nothing
     assert engines["a"].calls == [("prologue", "a")] and not engines["c"].calls
+
+
+def test_a_hidden_graph_that_reaches_no_engine_is_refused_after_its_backward() -> None:
+    """Behind a reentrant checkpoint only the backward shows what is reached; reaching nothing is an error."""
+    graph = Graph(0)
+    calls: list[tuple[str, str]] = []
+    engines = {name: FakeEngine(name, graph.modules[name], calls) for name in TRAINABLE}
+    for name, engine in engines.items():
+        routing.watch_gradients(name, engine)  # type: ignore[arg-type]
+    optimizers = [SimpleNamespace(name=name, has_gradients=False) for name in TRAINABLE]
+    engine_set = EngineSet(engines=engines, optimizers=optimizers, owners=graph.owners())  # type: ignore[arg-type]
+    x = torch.randn(2, 4, requires_grad=True)
+    loss = checkpoint(graph.modules["plain"], x, use_reentrant=True).sum()
+    with pytest.raises(ValueError, match=r"reaches no trainable engine \('a', 'b', 'c', 'd'\)"):  # noqa: SIM117
+        with engine_set.backward(loss) as scaled:
+            scaled.backward()
+    assert x.grad is not None and not calls and engine_set.backward_calls == 0
+
+    loss = checkpoint(graph.modules["b"], x, use_reentrant=True).sum()
+    with engine_set.backward(loss) as scaled:
+        scaled.backward()
+    assert calls == [("prologue", "b"), ("epilogue", "b")] and engine_set.backward_calls == 1
+    assert [o.has_gradients for o in optimizers] == [False, True, False, False]
