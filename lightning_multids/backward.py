@@ -18,11 +18,13 @@ per backward, and wrong for the patterns people write in GANs (DeepSpeed 0.19, m
 * a chained loss divides ``G``'s gradients by the accumulation steps once per engine it crosses.
 
 So the strategy takes explicit control instead. Submodules are called directly (never through
-``engine.forward``), which registers no output hooks and no per-forward prologue; ``backward``
-below finds the trainable engines whose parameters the loss reaches by walking its autograd graph,
-runs each one's prologue exactly once, runs ``loss.backward()`` once, then each one's epilogue
-exactly once. Marking each engine as "inside engine.backward" tells DeepSpeed's own post-backward
-callback to leave the epilogue to us, exactly as ``DeepSpeedEngine.backward`` does for itself.
+``engine.forward``), which registers no output hooks and no per-forward prologue. :func:`routed`
+takes the trainable engines whose parameters the loss's graph reaches (:mod:`lightning_multids.discovery`),
+runs each one's prologue exactly once, in name order, runs ``loss.backward()`` once, then each one's
+epilogue exactly once, in name order (the same collective order on every rank). An engine hidden behind a
+reentrant checkpoint is entered when its first gradient arrives (:func:`watch_gradients`).
+Marking each engine as "inside engine.backward" tells DeepSpeed's own post-backward callback to leave
+the epilogue to us, exactly as ``DeepSpeedEngine.backward`` does for itself.
 What still comes from DeepSpeed's hooks: the ZeRO per-parameter gradient hooks (bucketing and
 reduce-scatter at stage 2/3) and the ZeRO-3 module hooks that gather and release parameters.
 """
