@@ -1,8 +1,11 @@
 # Every target builds its own .venv: torch first and pinned (so no CUDA build is pulled in),
 # then deepspeed and the project without build isolation (deepspeed's build imports torch).
+# `make test-compat` runs the suite again in .venv-torch$(COMPAT_TORCH) with the oldest supported torch
+# (the package index's CUDA build, about 4.6 GB; it runs on CPU).
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
-VENV := .venv
+COMPAT_TORCH ?= 2.11.0
+VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -10,11 +13,11 @@ STAMP := $(VENV)/.installed
 # another checkout (another venv) never rebuilds it under a running job.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install demo test lint typecheck bench bench-overhead bench-memory bench-gradcache bench-gpu clean
+.PHONY: install demo test test-all test-compat test-gpu pytest lint typecheck bench bench-overhead bench-memory bench-gradcache bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade pip wheel "setuptools>=68"
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.19.8,<0.20"
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
@@ -25,8 +28,22 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/lightning-multids fit --config configs/gan.yaml
 
-test: lint typecheck
+# The README's test command: lint, types, and the suite on the pinned torch and on the oldest supported one.
+test-all: test test-compat
+
+test: lint typecheck pytest
+
+pytest: $(STAMP)
 	$(PY) -m pytest tests
+
+test-compat:
+	$(MAKE) pytest VENV=.venv-torch$(COMPAT_TORCH) TORCH_SPEC=torch==$(COMPAT_TORCH)
+
+# The GPU suite (pytest marker `gpu`): one process on one GPU, nccl. Where there is no CUDA it prints
+# "no CUDA" and skips. On a machine whose packages are on PYTHONPATH: `make test-gpu GPU_PYTHON=python3`.
+GPU_PYTHON ?= $(PY)
+test-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(STAMP))
+	$(GPU_PYTHON) -m pytest -m gpu tests/gpu -rs
 
 bench: bench-overhead bench-memory bench-gradcache
 
