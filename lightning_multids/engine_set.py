@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +32,6 @@ from lightning_multids.engines import (
     is_partitioned,
     match_optimizers,
     refuse_direct_calls,
-    scheduler_for,
     unpartition,
 )
 from lightning_multids.optimizer import EngineOptimizer, EngineScheduler
@@ -232,15 +230,13 @@ def _build_trainable(
 ) -> None:
     for name, index in plan.matched.items():
         optimizer = plan.optimizers[index]
-        scheduler_config = scheduler_for(plan.scheduler_configs, optimizer)
         params = [list(group["params"]) for group in optimizer.param_groups]
-        # Manual optimization: the engine steps its scheduler in step(). Automatic: Lightning steps it,
-        # by its interval, as with Lightning's DeepSpeedStrategy.
-        engine_scheduler = scheduler_config.scheduler if plan.manual and scheduler_config is not None else None
-        engine = build_engine(getattr(module, name), configs[name], optimizer, engine_scheduler)
+        engine = build_engine(getattr(module, name), configs[name], optimizer)
         result.add_trainable(name, engine, optimizer, params)
-        if scheduler_config is not None:
-            result.scheduler_configs.append(_visible_scheduler(name, scheduler_config, plan.manual))
+    # Schedulers from configure_optimizers stay the user's objects, in the user's order, stepped as under DDP:
+    # by the user in manual optimization, by Lightning (interval, frequency, monitor) in automatic. They act on
+    # the optimizer's param_group dicts, which DeepSpeed's optimizers (every stage, bf16) keep and read.
+    result.scheduler_configs.extend(plan.scheduler_configs)
     for name in plan.from_config:
         trainable = [p for p in getattr(module, name).parameters() if p.requires_grad]
         engine = build_engine(getattr(module, name), configs[name])
@@ -364,17 +360,14 @@ def _check_one_optimizer(name: str, config: Mapping[str, Any]) -> None:
 
 
 def _config_scheduler(name: str, engine: DeepSpeedEngine, manual: bool) -> LRSchedulerConfig:
-    """Show the scheduler of a DeepSpeed-config optimizer to Lightning (stepped per optimizer step)."""
-    config = LRSchedulerConfig(engine.lr_scheduler, interval="step")
+    """Show the scheduler of a DeepSpeed config's ``scheduler`` section to Lightning.
+
+    In manual optimization the engine steps it in ``opt.step()`` and ``self.lr_schedulers()`` shows it
+    wrapped so that a second ``step()`` is refused; in automatic optimization Lightning steps it per
+    optimizer step, as it steps the others.
+    """
     if manual:
-        return _visible_scheduler(name, config, manual)
-    engine.lr_scheduler = None  # automatic optimization: Lightning steps it, as it steps the others
+        return LRSchedulerConfig(EngineScheduler(name, engine.lr_scheduler), interval="step")  # type: ignore[arg-type]
+    config = LRSchedulerConfig(engine.lr_scheduler, interval="step")
+    engine.lr_scheduler = None
     return config
-
-
-def _visible_scheduler(name: str, config: LRSchedulerConfig, manual: bool) -> LRSchedulerConfig:
-    if not manual:
-        return config
-    visible = copy.copy(config)
-    visible.scheduler = EngineScheduler(name, config.scheduler)  # type: ignore[assignment]
-    return visible

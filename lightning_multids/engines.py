@@ -16,7 +16,6 @@ from typing import Any
 import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
-from lightning.pytorch.utilities.types import LRSchedulerConfig
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
@@ -159,17 +158,6 @@ def _cast_inputs(dtype: torch.dtype) -> Any:
         return apply_to_collection(args, torch.Tensor, cast), apply_to_collection(kwargs, torch.Tensor, cast)
 
     return hook
-
-
-def scheduler_for(configs: Sequence[LRSchedulerConfig], optimizer: Optimizer) -> LRSchedulerConfig | None:
-    """Return the scheduler config whose scheduler drives ``optimizer``, if any."""
-    found = [config for config in configs if config.scheduler.optimizer is optimizer]
-    if len(found) > 1:
-        raise ValueError(
-            f"{len(found)} learning-rate schedulers drive the same optimizer. A DeepSpeed engine steps one "
-            "scheduler: combine them, e.g. with `torch.optim.lr_scheduler.SequentialLR`."
-        )
-    return found[0] if found else None
 
 
 def zero3_init(config: dict[str, Any]) -> Any:

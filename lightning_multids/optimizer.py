@@ -70,8 +70,8 @@ class _StepState:
 class EngineOptimizer(Optimizer):
     """Steps and clears one DeepSpeed engine; what ``self.optimizers()`` returns under the strategy.
 
-    * ``step()`` runs ``engine.step()``: the optimizer, the engine's learning-rate scheduler, and
-      DeepSpeed's own gradient reset (DeepSpeed clears gradients after every step).
+    * ``step()`` runs ``engine.step()``: the optimizer, the scheduler of the engine's DeepSpeed config if it
+      has one, and DeepSpeed's own gradient reset (DeepSpeed clears gradients after every step).
     * ``zero_grad()`` clears the module's gradients and any gradient DeepSpeed has already reduced
       into its partitions since the last step.
     * ``param_groups`` show the module's own parameters, so ``toggle_optimizer`` works.
@@ -204,15 +204,16 @@ class EngineOptimizer(Optimizer):
 
 
 class EngineScheduler:
-    """What ``self.lr_schedulers()`` returns for a scheduler its engine steps.
+    """What ``self.lr_schedulers()`` returns for the scheduler of an engine's DeepSpeed ``scheduler`` section.
 
-    In manual optimization the engine steps its scheduler in ``opt.step()``; a second
-    ``sch.step()`` from the user would advance it twice per step, so it raises instead.
-    Everything else (``get_last_lr()``, ``state_dict()``, ``optimizer``) reads the real scheduler.
+    In manual optimization that engine steps it in ``opt.step()``; a second ``sch.step()`` from the
+    user would advance it twice per step, so it raises instead. Everything else (``get_last_lr()``,
+    ``state_dict()``, ``optimizer``) reads the real scheduler. Schedulers from ``configure_optimizers``
+    are not wrapped: the user steps them.
 
     Args:
         name: the engine's name.
-        scheduler: the scheduler from ``configure_optimizers``.
+        scheduler: the scheduler DeepSpeed built from the engine's config.
     """
 
     def __init__(self, name: str, scheduler: Any) -> None:

@@ -36,8 +36,6 @@ class GAN(pl.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.1)
         if self.which == "generator":
             return g
-        if self.which == "scheduled":
-            return [g, d], [torch.optim.lr_scheduler.StepLR(g, 1)]
         return [g, d]
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -57,10 +55,10 @@ def detached_loss(module: GAN, batch: torch.Tensor) -> None:
 
 def steps_scheduler(module: GAN, batch: torch.Tensor) -> None:
     real, z = patterns.split(batch)
-    opt_g, _ = module.optimizers()
-    module.manual_backward(module.discriminator(module.generator(z)).mean())
-    opt_g.step()
-    module.lr_schedulers().step()
+    _, opt_d = module.optimizers()
+    module.manual_backward(module.discriminator(real).mean())
+    opt_d.step()
+    module.lr_schedulers().step()  # the discriminator's, from its DeepSpeed config: its engine steps it
 
 
 def calls_engine(module: GAN, batch: torch.Tensor) -> None:
@@ -100,6 +98,11 @@ class ForcedAutomatic(GAN):
         pass
 
 
+SCHEDULED = {  # an optimizer and a scheduler from the DeepSpeed config: the engine steps both in opt.step()
+    "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 2}},
+}
+
 SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "no_optimizer": (lambda: GAN(optimizers="none"), {}),
     "spanning_optimizer": (lambda: GAN(optimizers="spanning"), {}),
@@ -112,7 +115,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     ),
     "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
     "detached_loss": (lambda: GAN(detached_loss), {}),
-    "scheduler_stepped_by_user": (lambda: GAN(steps_scheduler, "scheduled"), {}),
+    "scheduler_stepped_by_user": (lambda: GAN(steps_scheduler, "generator"), {"engines": {"discriminator": SCHEDULED}}),
     "forced_automatic": (lambda: ForcedAutomatic(returns_loss), {}),
     "batch_contradiction": (
         lambda: GAN(returns_loss),
