@@ -48,6 +48,8 @@ class EngineSet:
     owners: dict[int, str] = field(default_factory=dict)
     """``id(parameter) -> engine name`` for the parameters of every trainable engine."""
     backward_calls: int = 0
+    switched_to_manual: bool = False
+    """Whether the strategy, not the user, put the module in manual optimization (several trainable engines)."""
 
     def add_trainable(
         self, name: str, engine: DeepSpeedEngine, optimizer: Optimizer, params: list[list[torch.nn.Parameter]]
@@ -113,10 +115,16 @@ class EngineSet:
             raise RuntimeError(f"`{what}`: the engines {nested} are already inside `no_sync`; don't nest the blocks.")
         return chosen
 
-    def check_loss_was_used(self, output: Any, backward_calls_before: int) -> None:
-        """In manual optimization, raise if ``training_step`` returned a loss and nothing was backpropagated."""
+    def check_loss_was_used(self, output: Any) -> None:
+        """Raise where it is certain that a module will never train: written for automatic optimization.
+
+        Lightning allows a manual ``training_step`` to return a loss it did not backpropagate (it detaches
+        it). Only a module that the strategy switched to manual optimization (the user wrote it for the
+        automatic loop), that returns a loss needing gradients, and that has not called
+        ``self.manual_backward`` once in this fit, is refused.
+        """
         loss = output.get("loss") if isinstance(output, Mapping) else output
-        if self.backward_calls != backward_calls_before or not isinstance(loss, torch.Tensor):
+        if not self.switched_to_manual or self.backward_calls or not isinstance(loss, torch.Tensor):
             return
         if loss.requires_grad:
             raise ValueError(
@@ -203,6 +211,7 @@ class _Plan:
     from_config: list[str]
     frozen: dict[str, dict[str, Any]]
     manual: bool
+    switched: bool
 
 
 def _plan(
@@ -212,6 +221,7 @@ def _plan(
     overrides: Mapping[str, Mapping[str, Any]],
 ) -> _Plan:
     from_config = [name for name in overrides if "optimizer" in configs[name]]
+    automatic = module.automatic_optimization
     optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
     matched = match_optimizers(module, optimizers)
     for name in matched:
@@ -222,7 +232,7 @@ def _plan(
         if name not in matched and name not in from_config
     }
     manual = not module.automatic_optimization
-    return _Plan(optimizers, scheduler_configs, matched, from_config, frozen, manual)
+    return _Plan(optimizers, scheduler_configs, matched, from_config, frozen, manual, switched=automatic and manual)
 
 
 def _build_trainable(
@@ -245,6 +255,7 @@ def _build_trainable(
             result.scheduler_configs.append(_config_scheduler(name, engine, plan.manual))
     for optimizer in result.optimizers:
         optimizer.manual = plan.manual
+    result.switched_to_manual = plan.switched
 
 
 @contextmanager
@@ -329,6 +340,7 @@ def collect_optimizers(
     optimizers, schedulers, monitor = _configure_optimizers(conf) if conf is not None else ([], [], None)
     total = len(optimizers) + num_config_optimizers
     if total > 1 and module.automatic_optimization:
+        _refuse_accumulation_in_manual(trainer, module, total)
         module.automatic_optimization = False
         if module.automatic_optimization:
             raise ValueError(
@@ -347,6 +359,17 @@ def collect_optimizers(
     _validate_optimizers_attached(optimizers, configs)
     _validate_scheduler_api(configs, module)
     return optimizers, configs
+
+
+def _refuse_accumulation_in_manual(trainer: pl.Trainer, module: pl.LightningModule, total: int) -> None:
+    """Lightning refuses ``accumulate_grad_batches`` in manual optimization before setup; the switch comes later."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})`: `{type(module).__name__}` has "
+            f"{total} trainable engines, so it runs manual optimization, where Lightning does not accumulate "
+            "gradients. Remove the setting and accumulate in `training_step` (call `self.manual_backward(loss / N)` "
+            "for N batches, then `opt.step()` and `opt.zero_grad()`), or train one engine."
+        )
 
 
 def _check_one_optimizer(name: str, config: Mapping[str, Any]) -> None:

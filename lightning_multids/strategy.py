@@ -236,12 +236,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run ``training_step``; in manual optimization, refuse a returned loss that nothing backpropagated."""
-        before = self._engine_set.backward_calls
+        """Run ``training_step``; refuse a module switched to manual optimization that can never train."""
         output = super().training_step(*args, **kwargs)
-        module = self.lightning_module
-        if module is not None and not module.automatic_optimization:
-            self._engine_set.check_loss_was_used(output, before)
+        self._engine_set.check_loss_was_used(output)
         return output
 
     @override

@@ -88,6 +88,25 @@ def nan_in_discriminator(module: GAN, batch: torch.Tensor) -> None:
     patterns.gan_zero_first(module.generator, module.discriminator, batch, opt_g, opt_d, module.manual_backward)
 
 
+def skips_odd_batches(module: GAN, batch: torch.Tensor) -> torch.Tensor:
+    """Manual optimization chosen by the user: every other batch only returns its loss, as Lightning allows."""
+    real, z = patterns.split(batch)
+    loss = module.discriminator(module.generator(z)).mean()
+    module.batches_seen = getattr(module, "batches_seen", 0) + 1
+    if module.batches_seen % 2:
+        opt_g, _ = module.optimizers()
+        module.manual_backward(loss)
+        opt_g.step()
+        opt_g.zero_grad()
+    return loss
+
+
+class UserManual(GAN):
+    def __init__(self, step: Callable[[GAN, torch.Tensor], object]) -> None:
+        super().__init__(step)
+        self.automatic_optimization = False
+
+
 class ForcedAutomatic(GAN):
     @property
     def automatic_optimization(self) -> bool:
@@ -114,6 +133,8 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         {"engines": {"discriminator": {"gradient_clipping": 1.0}}},
     ),
     "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
+    "returned_loss_in_user_manual": (lambda: UserManual(skips_odd_batches), {}),
+    "accumulate_when_switched": (lambda: GAN(returns_loss), {}),
     "detached_loss": (lambda: GAN(detached_loss), {}),
     "scheduler_stepped_by_user": (lambda: GAN(steps_scheduler, "generator"), {"engines": {"discriminator": SCHEDULED}}),
     "forced_automatic": (lambda: ForcedAutomatic(returns_loss), {}),
@@ -127,9 +148,13 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
 }
 
 
+TRAINER_KWARGS = {"accumulate_when_switched": {"accumulate_grad_batches": 2}}
+
+
 def main() -> None:
     for name, (make_module, kwargs) in SCENARIOS.items():
-        trainer = cpu_trainer(MultiDeepSpeedStrategy(**kwargs), enable_checkpointing=False)
+        options = TRAINER_KWARGS.get(name, {})
+        trainer = cpu_trainer(MultiDeepSpeedStrategy(**kwargs), enable_checkpointing=False, **options)
         try:
             trainer.fit(make_module())
         except ValueError as err:

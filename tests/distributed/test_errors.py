@@ -20,6 +20,8 @@ EXPECTED = {
     "clip_on_frozen": r"engine 'discriminator' has no optimizer.*`gradient_clipping` setting would do nothing",
     "returned_loss_in_manual": r"returned a loss but called no `self.manual_backward`.*'generator', 'discriminator'",
     "detached_loss": r"reaches no trainable engine",
+    "returned_loss_in_user_manual": r"^no error$",  # Lightning allows it: the returned loss is detached
+    "accumulate_when_switched": r"accumulate_grad_batches=2\)`: `GAN` has 2 trainable engines.*manual_backward\(loss",
     "scheduler_stepped_by_user": r"scheduler of engine 'discriminator' is stepped by its optimizer",
     "forced_automatic": r"2 trainable engines but keeps `automatic_optimization` True.*remove the",
     "batch_contradiction": r"engine 'generator' sets train_micro_batch_size_per_gpu=16.*gives 4 samples per process",

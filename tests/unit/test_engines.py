@@ -120,16 +120,18 @@ def test_loss_reaching_no_trainable_engine_is_refused() -> None:
         pass
 
 
-def test_returned_loss_without_manual_backward_is_refused() -> None:
+def test_returned_loss_without_manual_backward_is_refused_only_where_nothing_can_train() -> None:
     engines = EngineSet(optimizers=[SimpleNamespace(name="generator")])  # type: ignore[list-item]
     loss = torch.ones(1, requires_grad=True).sum()
+    engines.check_loss_was_used({"loss": loss})  # the user chose manual optimization: allowed, as in Lightning
+    engines.switched_to_manual = True  # written for the automatic loop, switched by the strategy
     with pytest.raises(
         ValueError, match=r"returned a loss but called no `self.manual_backward`.*manual_backward\(loss\)"
     ):
-        engines.check_loss_was_used({"loss": loss}, backward_calls_before=0)
-    engines.check_loss_was_used(loss.detach(), backward_calls_before=0)  # a logged value is fine
+        engines.check_loss_was_used({"loss": loss})
+    engines.check_loss_was_used(loss.detach())  # a logged value is fine
     engines.backward_calls = 1
-    engines.check_loss_was_used(loss, backward_calls_before=0)  # backpropagated: fine
+    engines.check_loss_was_used(loss)  # the module does call manual_backward: a step without it is its choice
 
 
 def test_group_view_shows_module_parameters_and_writes_hyperparameters_through() -> None:
