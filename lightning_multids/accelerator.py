@@ -14,8 +14,8 @@ import os
 from deepspeed.accelerator import get_accelerator, set_accelerator
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 
-SUPPORTED = {"cpu": "cpu", "cuda": "cuda"}
-"""Lightning's device type -> DeepSpeed's accelerator name, for the devices the strategy runs on."""
+SUPPORTED = ("cpu", "cuda")
+"""The device types the strategy runs on; DeepSpeed's accelerators of the same names."""
 
 
 def choose(device_type: str, ds_accelerator_env: str | None) -> str:
@@ -25,20 +25,19 @@ def choose(device_type: str, ds_accelerator_env: str | None) -> str:
         device_type: the type of the strategy's root device (``"cpu"``, ``"cuda"``, ...).
         ds_accelerator_env: the ``DS_ACCELERATOR`` environment variable, or None when unset.
     """
-    wanted = SUPPORTED.get(device_type)
-    if wanted is None:
+    if device_type not in SUPPORTED:
         raise ValueError(
             f"MultiDeepSpeedStrategy runs on CPU or CUDA devices, and the Trainer's accelerator gives "
             f"{device_type!r} devices. Use `Trainer(accelerator='cpu')` or `Trainer(accelerator='gpu')` on CUDA."
         )
-    if ds_accelerator_env is not None and ds_accelerator_env != wanted:
+    if ds_accelerator_env is not None and ds_accelerator_env != device_type:
         raise ValueError(
             f"The environment sets DS_ACCELERATOR={ds_accelerator_env}, but the Trainer puts the module on "
-            f"{device_type!r} devices, and DeepSpeed's engines must run on the same devices. Unset DS_ACCELERATOR "
-            f"(the strategy chooses DeepSpeed's accelerator from the Trainer's) or set it to {wanted!r}, or choose "
-            f"the Trainer's accelerator to match it."
+            f"{device_type!r} devices, and DeepSpeed's engines must run on the same devices. Unset "
+            "DS_ACCELERATOR (the strategy chooses DeepSpeed's accelerator from the Trainer's) or set it to "
+            f"{device_type!r}, or choose the Trainer's accelerator to match it."
         )
-    return wanted
+    return device_type
 
 
 def follow(device_type: str) -> None:

@@ -20,17 +20,22 @@ def test_resume_at_an_epoch_boundary_is_bitwise_exact(tmp_path: Path, case: str)
     out = tmp_path / "resume.pt"
     run_ranks(RESUME, str(out), case, "0", "1", "2", "3", timeout=600)
     for rank in (0, 1):
-        for stage, result in torch.load(f"{out}.{rank}", weights_only=False).items():
-            straight, resumed = result["straight"], result["resumed"]
-            where = f"{case}, ZeRO-{stage}, rank {rank}"
-            assert resumed["global_step"] == straight["global_step"] > 0
-            assert straight["weights"].keys() == resumed["weights"].keys()
-            for key, value in straight["weights"].items():
-                assert torch.equal(value, resumed["weights"][key]), f"{where}: {key} differs after resume"
-            assert len(straight["optimizer"]) == len(resumed["optimizer"]) > 0
-            for a, b in zip(straight["optimizer"], resumed["optimizer"], strict=True):
-                assert torch.equal(a, b), f"{where}: optimizer state differs after resume"
-            assert "last.ckpt" in straight["files"] and not any(f.endswith(".partial") for f in straight["files"])
+        assert_resumed_exactly(torch.load(f"{out}.{rank}", weights_only=False), f"{case}, rank {rank}")
+
+
+def assert_resumed_exactly(results: dict, where: str) -> None:
+    """Each stage's resumed run (1 epoch, save, resume, 1 more) equals the straight run to the bit."""
+    for stage, result in results.items():
+        straight, resumed = result["straight"], result["resumed"]
+        where_stage = f"{where}, ZeRO-{stage}"
+        assert resumed["global_step"] == straight["global_step"] > 0
+        assert straight["weights"].keys() == resumed["weights"].keys()
+        for key, value in straight["weights"].items():
+            assert torch.equal(value, resumed["weights"][key]), f"{where_stage}: {key} differs after resume"
+        assert len(straight["optimizer"]) == len(resumed["optimizer"]) > 0
+        for a, b in zip(straight["optimizer"], resumed["optimizer"], strict=True):
+            assert torch.equal(a, b), f"{where_stage}: optimizer state differs after resume"
+        assert "last.ckpt" in straight["files"] and not any(f.endswith(".partial") for f in straight["files"])
 
 
 SCENARIOS = Path(__file__).with_name("run_checkpoint.py")

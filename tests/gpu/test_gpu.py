@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests import patterns
-from tests.distributed import test_frozen, test_gradcache
+from tests.distributed import test_checkpoint, test_frozen, test_gradcache
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_examples import SHORT, events, lightning_multids, workdir  # noqa: F401 (fixture)
 from tests.distributed.test_patterns import CHECKPOINTED, TOLERANCE, assert_backward_state_clean, assert_matches
@@ -110,13 +110,7 @@ def test_grad_cache_equals_full_batch_pytorch(tmp_path: Path, stage: int) -> Non
 def test_resume_is_bitwise_exact(tmp_path: Path) -> None:
     out = tmp_path / "resume.pt"
     run_on_gpu("run_resume.py", out, "gan", "0", "2", "3")
-    for stage, result in torch.load(f"{out}.0", weights_only=False).items():
-        straight, resumed = result["straight"], result["resumed"]
-        assert resumed["global_step"] == straight["global_step"] > 0
-        for key, value in straight["weights"].items():
-            assert torch.equal(value, resumed["weights"][key]), f"ZeRO-{stage}: {key} differs after resume"
-        for a, b in zip(straight["optimizer"], resumed["optimizer"], strict=True):
-            assert torch.equal(a, b), f"ZeRO-{stage}: optimizer state differs after resume"
+    test_checkpoint.assert_resumed_exactly(torch.load(f"{out}.0", weights_only=False), "gan, one process")
 
 
 @pytest.mark.parametrize(
