@@ -42,7 +42,7 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
 from lightning_multids.discovery import Reach
-from lightning_multids.sync import is_deferred, reduction_skipped
+from lightning_multids.sync import abandon_backward, is_deferred, reduction_skipped
 
 
 @dataclass
@@ -99,6 +99,11 @@ class Route:
                     engine._backward_epilogue()
             else:
                 engine._backward_epilogue()
+
+    def abandon(self) -> None:
+        """After an exception: reset every entered engine and drop its gradients of this step (no collective)."""
+        for name in sorted(self.entered):
+            abandon_backward(self.engines[name])
 
     def leave(self) -> None:
         """Take every entered engine out of the backward, whether or not it completed."""
@@ -170,7 +175,9 @@ def routed(loss: torch.Tensor, engines: Mapping[str, DeepSpeedEngine], reach: Re
         engines: every trainable engine, by name; each must be watched (:func:`watch_gradients`).
         reach: what the walk found; those engines are entered before the body, in name order.
 
-    On an exception the epilogues are skipped and every entered engine leaves the backward.
+    On an exception (a CUDA out-of-memory error that the caller may catch and go on from) no epilogue
+    runs, since it would reduce on this rank alone: every entered engine is reset and drops its gradients
+    of this step (:func:`~lightning_multids.sync.abandon_backward`), and leaves the backward.
     """
     global _ROUTE
     route = Route(engines)
@@ -186,6 +193,9 @@ def routed(loss: torch.Tensor, engines: Mapping[str, DeepSpeedEngine], reach: Re
             route.enter(name)
         yield route
         route.finish()
+    except BaseException:
+        route.abandon()
+        raise
     finally:
         _ROUTE = previous
         route.leave()

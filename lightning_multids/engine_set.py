@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +70,8 @@ class EngineSet:
         """Route the body's backward of the yielded (loss-scaled) tensor through every engine ``loss`` reaches.
 
         Raises if ``loss`` reaches no trainable engine (it would train nothing): before the backward when
-        the graph shows everything, after it when a reentrant checkpoint hid part of the graph.
+        the graph shows everything, after it when a reentrant checkpoint hid part of the graph. An exception
+        in the backward leaves the engines it reached clean, without their gradients of this step.
         """
         reach = reached_engines(loss, self.owners)
         if not reach.names and not reach.hidden:
@@ -80,13 +81,20 @@ class EngineSet:
         scaled = trainable if reach.hidden else {name: trainable[name] for name in reach.names}
         scale, factors = routing.loss_scaling(scaled)
         with routing.routed(loss, trainable, reach) as route, routing.gradients_rescaled(scaled, factors):
-            yield loss * scale if scale != 1.0 else loss
+            try:
+                yield loss * scale if scale != 1.0 else loss
+            except BaseException:
+                self._mark_gradients(route.entered, False)  # routed() drops them
+                raise
         if not route.entered:
             self._refuse_untrained()
         self.backward_calls += 1
+        self._mark_gradients(route.entered, True)
+
+    def _mark_gradients(self, names: Collection[str], present: bool) -> None:
         for optimizer in self.optimizers:
-            if optimizer.name in route.entered:
-                optimizer.has_gradients = True
+            if optimizer.name in names:
+                optimizer.has_gradients = present
 
     def _refuse_untrained(self) -> None:
         trainable = ", ".join(repr(o.name) for o in self.optimizers)

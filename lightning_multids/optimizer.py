@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_multids.sync import (
     NonFiniteGradients,
+    abandon_step,
     clear_gradients,
     is_deferred,
     set_gradient_clipping,
@@ -73,7 +74,7 @@ class EngineOptimizer(Optimizer):
     * ``step()`` runs ``engine.step()``: the optimizer, the scheduler of the engine's DeepSpeed config if it
       has one, and DeepSpeed's own gradient reset (DeepSpeed clears gradients after every step).
     * ``zero_grad()`` clears the module's gradients and any gradient DeepSpeed has already reduced
-      into its partitions since the last step.
+      into its partitions since the last step, and ends a ``clip_gradients`` meant for those gradients.
     * ``param_groups`` show the module's own parameters, so ``toggle_optimizer`` works.
 
     Args:
@@ -127,7 +128,8 @@ class EngineOptimizer(Optimizer):
 
         Without a gradient since the last step or ``zero_grad``: in manual optimization this is an error
         (nothing would train); in automatic optimization (``training_step`` returned ``None``) the step is
-        skipped, as Lightning does. A NaN or inf gradient refuses the step on every rank.
+        skipped, as Lightning does. A NaN or inf gradient refuses the step on every rank. Whether it
+        succeeds or raises, the step ends with the gradients cleared and the engine's own clipping back.
         """
         loss = None
         if closure is not None:
@@ -147,10 +149,13 @@ class EngineOptimizer(Optimizer):
             applied = self.engine.skipped_steps == skipped
         except NonFiniteGradients:  # stage 0, fp32: raised before the torch optimizer changed anything
             applied = False
-        self.zero_grad()  # DeepSpeed clears param.grad; also drop what its partitions still hold
-        if self._state.configured_clipping is not None:
-            set_gradient_clipping(self.engine, self._state.configured_clipping)
-            self._state.configured_clipping = None
+        except BaseException:
+            abandon_step(self.engine)
+            raise
+        finally:
+            # DeepSpeed clears param.grad; also drop what its partitions still hold, or, after an exception
+            # (out of memory in the optimizer), gradients it had half processed; and end clip_next_step.
+            self.zero_grad()
         if not applied:
             self._report_skipped_step(step)
         return loss
@@ -190,7 +195,7 @@ class EngineOptimizer(Optimizer):
         set_gradient_clipping(self.engine, max_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear this engine's gradients, local and already reduced.
+        """Clear this engine's gradients, local and already reduced, and forget a pending :meth:`clip_next_step`.
 
         Every gradient an engine receives comes through a routed backward, which sets ``has_gradients``;
         without one since the last clear there is nothing to clear.
@@ -198,6 +203,9 @@ class EngineOptimizer(Optimizer):
         if self.has_gradients:
             clear_gradients(self.engine)
         self.has_gradients = False
+        if self._state.configured_clipping is not None:  # clipping was for the gradients just cleared
+            set_gradient_clipping(self.engine, self._state.configured_clipping)
+            self._state.configured_clipping = None
 
     def __repr__(self) -> str:
         return f"EngineOptimizer(engine={self.name!r}, optimizer={type(self.optimizer).__name__})"

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
@@ -43,6 +44,53 @@ def clear_gradients(engine: DeepSpeedEngine) -> None:
     elif optimizer is not None:
         optimizer.zero_grad(set_to_none=True)  # torch optimizer, or BF16/FP16_Optimizer: lp and hp grads
     engine.zero_grad()  # param.grad of every module parameter
+
+
+def abandon_backward(engine: DeepSpeedEngine) -> None:
+    """Return ``engine`` to a clean state after an exception ended its backward early; no collective.
+
+    The backward's prologue ran and its epilogue did not, so DeepSpeed's bookkeeping is half-way (read from
+    DeepSpeed 0.19.8): the ZeRO backward depth stays raised; ZeRO-1/2 keep gradients in the reduction
+    bucket and ``params_already_reduced`` flags, which make the next epilogue reduce stale gradients or
+    assert; ZeRO-3 keeps parameters in its bucket. All of it is reset, and every gradient the engine holds
+    for this step is dropped, since part of it may already be reduced and the rest not: reducing now would
+    need every rank, and only this one may have failed. The next backward starts as after ``zero_grad()``.
+    """
+    for param in engine.module.parameters():
+        param.grad = None  # ZeRO-3 reduces and drops them in the backward; its zero_grad() fails on CPU ones left
+    optimizer = engine.optimizer
+    if isinstance(optimizer, ZeROOptimizer):
+        optimizer._backward_active_depth = 0
+        optimizer.clear_backward_seen_flag()
+    _reset_reduction(optimizer)
+    clear_gradients(engine)
+
+
+def abandon_step(engine: DeepSpeedEngine) -> None:
+    """Return ``engine`` to a clean state after an exception ended ``engine.step()`` early; no collective.
+
+    ``engine.step()`` marks itself as the accumulation boundary until it returns (DeepSpeed 0.19.8,
+    unmanaged accumulation); left set, every later backward would reduce as if at the boundary. The
+    reduction state is reset as after a backward; the caller then clears the gradients.
+    """
+    engine._running_engine_step = False
+    _reset_reduction(engine.optimizer)
+
+
+def _reset_reduction(optimizer: Any) -> None:
+    """Empty the reduction buckets of a ZeRO optimizer and its per-parameter "already reduced" flags."""
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        for bucket in optimizer.ipg_buckets.values():
+            bucket.clear()
+        optimizer._release_ipg_buffers()  # as the epilogue ends: also the offset into the partition buffer
+        optimizer.params_already_reduced[:] = [False] * len(optimizer.params_already_reduced)
+        for grads in optimizer.previous_reduced_grads.values():
+            grads.clear()
+        optimizer.extra_large_param_to_reduce.clear()
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        for bucket in optimizer.ipg_buckets.values():
+            bucket.clear_params()
+        optimizer.params_already_reduced.update(dict.fromkeys(optimizer.params_already_reduced, False))
 
 
 def _clear_zero_1_2(optimizer: DeepSpeedZeroOptimizer) -> None:

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-PATTERNS = ("gan", "gan_zero_first", "gan_toggle", "shared", "accumulate", "clipped")
+PATTERNS = ("gan", "gan_zero_first", "gan_toggle", "shared", "accumulate", "clipped", "interrupted", "step_interrupted")
 CLIP = 0.05
+CLIPPING = ("clipped", "step_interrupted")
 
 Backward = Callable[[torch.Tensor], None]
 Toggle = Callable[[Any], contextlib.AbstractContextManager]
@@ -204,6 +206,122 @@ def clipped(
     opt_d.zero_grad()
 
 
+class Interrupted(RuntimeError):
+    """What a CUDA out-of-memory error in the middle of a backward stands for in the tests."""
+
+
+@contextlib.contextmanager
+def fails_midway(module: nn.Module) -> Iterator[None]:
+    """Make the next backward through ``module`` (a ``Linear, Tanh, Linear``) raise :class:`Interrupted` midway.
+
+    It raises when the gradient reaches the output of the ``Tanh``: the last layer's weights have their
+    gradients by then (autograd accumulates parameter gradients first), the first layer's do not.
+    """
+
+    def trap(gradient: torch.Tensor) -> torch.Tensor:
+        raise Interrupted("out of memory (simulated)")
+
+    def on_forward(layer: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        output.register_hook(trap)
+
+    handle = module[1].register_forward_hook(on_forward)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def interrupted(
+    G: nn.Module,
+    D: nn.Module,
+    batch: torch.Tensor,
+    opt_g: Any,
+    opt_d: Any,
+    backward: Backward,
+    toggle: Toggle | None = None,
+) -> None:
+    """The gan pattern where each backward first fails midway and is caught, then retried after ``zero_grad``.
+
+    D's backward fails with some of D's gradients in; G's fails after all of D's and some of G's are in.
+    """
+    real, z = split(batch)
+
+    def d_loss() -> torch.Tensor:
+        return D(real).pow(2).mean() + (D(G(z).detach()) - 1).pow(2).mean()
+
+    def g_loss() -> torch.Tensor:
+        return (D(G(z)) - 0.5).pow(2).mean()
+
+    for loss, failing, opt in ((d_loss, D, opt_d), (g_loss, G, opt_g)):
+        with fails_midway(failing):
+            try:
+                backward(loss())
+            except Interrupted:
+                pass
+            else:
+                raise AssertionError("the simulated failure did not happen")
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        backward(loss())
+        opt.step()
+        opt.zero_grad()
+
+
+@contextlib.contextmanager
+def fails_in_step() -> Iterator[None]:
+    """Make every torch optimizer step in the body raise :class:`Interrupted` before it changes anything."""
+
+    def trap(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        raise Interrupted("out of memory in the optimizer step (simulated)")
+
+    handle = register_optimizer_step_pre_hook(trap)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def step_interrupted(
+    G: nn.Module,
+    D: nn.Module,
+    batch: torch.Tensor,
+    opt_g: Any,
+    opt_d: Any,
+    backward: Backward,
+    toggle: Toggle | None = None,
+    clip: Callable[[Any, float], None] | None = None,
+) -> None:
+    """The clipped pattern, but D's clipped step fails and G's clipped step is given up before it runs.
+
+    Both are caught; the gradients are cleared, and the retry steps both engines without clipping: the
+    clipping asked for before the failure must not reach it.
+    """
+    assert clip is not None
+    real, z = split(batch)
+
+    def loss() -> torch.Tensor:
+        fake = G(z)
+        return (D(fake) - 0.3).pow(2).mean() + D(real).pow(2).mean() + (fake - real).pow(2).mean()
+
+    backward(loss())
+    clip(opt_d, CLIP)
+    clip(opt_g, CLIP)
+    with fails_in_step():
+        try:
+            opt_d.step()
+        except Interrupted:
+            pass
+        else:
+            raise AssertionError("the simulated failure did not happen")
+    opt_g.zero_grad()
+    opt_d.zero_grad()
+    backward(loss())
+    opt_g.step()
+    opt_d.step()
+    opt_g.zero_grad()
+    opt_d.zero_grad()
+
+
 STEPS: dict[str, Callable[..., None]] = {
     "gan": gan,
     "gan_zero_first": gan_zero_first,
@@ -211,6 +329,8 @@ STEPS: dict[str, Callable[..., None]] = {
     "shared": shared,
     "accumulate": accumulate,
     "clipped": clipped,
+    "interrupted": interrupted,
+    "step_interrupted": step_interrupted,
 }
 
 
@@ -272,7 +392,7 @@ def reference(pattern: str, optimizer: str, steps: int, global_batch: int = 8) -
     data = make_batches(steps, global_batch)
     for step in range(steps):
         batch = data[step * global_batch : (step + 1) * global_batch]
-        extra = {"clip": clip} if pattern == "clipped" else {}
+        extra = {"clip": clip} if pattern in CLIPPING else {}
         toggled = toggle if pattern == "gan_toggle" else None
         STEPS[pattern](G, D, batch, opt_g, opt_d, lambda loss: loss.backward(), toggled, **extra)
     return weights(G, D)

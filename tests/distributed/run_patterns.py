@@ -16,6 +16,7 @@ import torch
 from deepspeed.accelerator import get_accelerator, set_accelerator
 from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
@@ -30,17 +31,18 @@ class PatternModule(pl.LightningModule):
     def __init__(self, pattern: str, optimizer: str, steps: int) -> None:
         super().__init__()
         # "gan+reentrant": the gan pattern with activation checkpointing inside both engines;
-        # "gan+validated": the gan pattern with a validation run every 2 training steps
+        # "gan+validated": the gan pattern with a validation run every 2 training steps;
+        # "gan+small_buckets": ZeRO-2/3 reduce during the backward, bucket after bucket (see SMALL_BUCKETS)
         self.pattern, _, variant = pattern.partition("+")
         self.optimizer_name, self.steps = optimizer, steps
         self.validated = variant == "validated"
-        checkpoint = None if self.validated else variant or None
+        checkpoint = variant if variant in ("reentrant", "non_reentrant", "hidden") else None
         self.generator, self.discriminator = patterns.make_modules(checkpoint=checkpoint)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt_g, opt_d = self.optimizers()
         toggle = self.toggled_optimizer if self.pattern == "gan_toggle" else None
-        extra = {"clip": self.clip} if self.pattern == "clipped" else {}
+        extra = {"clip": self.clip} if self.pattern in patterns.CLIPPING else {}
         patterns.STEPS[self.pattern](
             self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward, toggle, **extra
         )
@@ -96,10 +98,15 @@ FP16_SCALES = {  # two fp16 engines at different loss scales (GPU only: fp16 doe
 }
 
 
+SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 20, "allgather_bucket_size": 20}}
+
+
 def backward_state(engine) -> dict[str, float]:
     state = {"running_backward": int(engine._running_engine_backward_count), "clipping": engine.gradient_clipping()}
     if isinstance(engine.optimizer, ZeROOptimizer):
         state["depth"] = int(engine.optimizer._backward_active_depth)
+    if engine.zero_optimization_partition_weights():  # ZeRO-3: no parameter left gathered
+        state["gathered"] = sum(p.ds_status != ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
     return state
 
 
@@ -116,7 +123,11 @@ def main() -> None:
             module = ValidatedModule(pattern, optimizer, int(steps))
         else:
             module = PatternModule(pattern, optimizer, int(steps))
-        strategy = MultiDeepSpeedStrategy(stage=int(stage), engines=FP16_SCALES if precision == "16-mixed" else None)
+        strategy = MultiDeepSpeedStrategy(
+            stage=int(stage),
+            config=SMALL_BUCKETS if pattern.endswith("+small_buckets") else None,
+            engines=FP16_SCALES if precision == "16-mixed" else None,
+        )
         trainer = cpu_trainer(
             strategy,
             precision=precision,

@@ -44,12 +44,14 @@ CHECKPOINTED = [
     f"{pattern}+{mode}" for pattern in ("gan", "accumulate") for mode in ("reentrant", "non_reentrant", "hidden")
 ]
 
+INTERRUPTED = ["interrupted+small_buckets"]  # ZeRO-2/3 reduce buckets during the backward that fails
+
 
 @pytest.fixture(scope="module", params=[0, 1, 2, 3], ids=lambda stage: f"zero{stage}")
 def sgd_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One 2-rank launch per stage: every pattern, and the GAN and accumulation with activation checkpointing."""
     tmp_path = tmp_path_factory.mktemp(f"zero{request.param}")
-    return train(tmp_path, request.param, "sgd", 4, "32-true", *patterns.PATTERNS, *CHECKPOINTED)
+    return train(tmp_path, request.param, "sgd", 4, "32-true", *patterns.PATTERNS, *CHECKPOINTED, *INTERRUPTED)
 
 
 def test_every_pattern_matches_pytorch_with_sgd(sgd_run: dict) -> None:
@@ -70,6 +72,17 @@ def test_activation_checkpointing_inside_engines_gives_the_same_weights(sgd_run:
     for name in CHECKPOINTED:
         expected = patterns.reference(name.split("+")[0], "sgd", 4)  # plain modules, no checkpointing
         assert_matches(sgd_run[name]["weights"], expected, TOLERANCE)
+        assert_backward_state_clean(sgd_run[name])
+
+
+def test_training_goes_on_exactly_after_an_exception_in_backward_or_step(sgd_run: dict) -> None:
+    """An error caught in the middle of a backward or of ``opt.step()`` (out of memory) leaves every engine clean.
+
+    ``interrupted`` and ``step_interrupted`` (also in the test above) catch the error, clear the gradients and
+    train on as in plain PyTorch; with small buckets, ZeRO-2/3 have reduced part of the gradients when it comes.
+    """
+    for name in ("interrupted", "step_interrupted", *INTERRUPTED):
+        assert_matches(sgd_run[name]["weights"], patterns.reference(name.split("+")[0], "sgd", 4), TOLERANCE)
         assert_backward_state_clean(sgd_run[name])
 
 

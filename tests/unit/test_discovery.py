@@ -47,6 +47,9 @@ class FakeEngine:
         assert self._running_engine_backward
         self.calls.append(("epilogue", self.name))
 
+    def zero_grad(self) -> None:
+        self.calls.append(("cleared", self.name))
+
     def zero_optimization_partition_gradients(self) -> bool:
         return False
 
@@ -221,10 +224,11 @@ def test_an_exception_in_backward_leaves_every_engine_out_of_it() -> None:
     with pytest.raises(RuntimeError, match="out of memory"), routing.routed(loss, engines, reach):  # type: ignore[arg-type]
         raise RuntimeError("out of memory")
     assert not any(e._running_engine_backward or e._running_engine_backward_count for e in engines.values())
-    assert engines["a"].calls == [("prologue", "a")]  # no epilogue over a failed backward
+    # no epilogue over a failed backward: the gradients it may have left are dropped instead
+    assert engines["a"].calls == [("prologue", "a"), ("cleared", "a")]
     assert routing._ROUTE is None
     loss.backward()  # outside a route the engines' hooks do nothing
-    assert engines["a"].calls == [("prologue", "a")] and not engines["c"].calls
+    assert engines["a"].calls == [("prologue", "a"), ("cleared", "a")] and not engines["c"].calls
 
 
 def test_a_hidden_graph_that_reaches_no_engine_is_refused_after_its_backward() -> None:
