@@ -242,6 +242,25 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         return output
 
     @override
+    def on_validation_start(self) -> None:
+        """Clear every engine's gradients where Lightning clears the module's before validating during fit.
+
+        Lightning's ``on_validation_model_zero_grad`` hook calls ``module.zero_grad()``, which reaches
+        ``param.grad`` but not what ZeRO-2/3 already reduced into partitions. When that hook is Lightning's
+        own and the loop is not between accumulation steps, every engine is cleared as ``opt.zero_grad()``
+        would; an overridden hook decides for itself (call ``opt.zero_grad()`` there to clear an engine).
+        """
+        super().on_validation_start()
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return
+        default_hook = type(module).on_validation_model_zero_grad is pl.LightningModule.on_validation_model_zero_grad
+        if default_hook and not trainer.fit_loop.epoch_loop._should_accumulate():
+            for optimizer in self._engine_set.optimizers:
+                optimizer.zero_grad()
+
+    @override
     def optimizer_step(
         self,
         optimizer: Any,

@@ -377,8 +377,14 @@ def _requires_grad_only(trained: nn.Module, others: list[nn.Module]) -> Iterator
             p.requires_grad_(flag)
 
 
-def reference(pattern: str, optimizer: str, steps: int, global_batch: int = 8) -> dict[str, torch.Tensor]:
-    """Train ``pattern`` in one process with plain PyTorch on the global batches; return the weights."""
+def reference(
+    pattern: str, optimizer: str, steps: int, global_batch: int = 8, validate_every: int = 0
+) -> dict[str, torch.Tensor]:
+    """Train ``pattern`` in one process with plain PyTorch on the global batches; return the weights.
+
+    ``validate_every=N``: clear every gradient after each N steps, as Lightning does before it validates
+    during fit (``on_validation_model_zero_grad``), which drops what a step left for the next one.
+    """
     G, D = make_modules()
     opt_g, opt_d = make_optimizer(optimizer, G.parameters()), make_optimizer(optimizer, D.parameters())
     owner = {id(opt_g): G, id(opt_d): D}
@@ -395,6 +401,9 @@ def reference(pattern: str, optimizer: str, steps: int, global_batch: int = 8) -
         extra = {"clip": clip} if pattern in CLIPPING else {}
         toggled = toggle if pattern == "gan_toggle" else None
         STEPS[pattern](G, D, batch, opt_g, opt_d, lambda loss: loss.backward(), toggled, **extra)
+        if validate_every and (step + 1) % validate_every == 0:
+            G.zero_grad()
+            D.zero_grad()
     return weights(G, D)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -45,13 +46,16 @@ CHECKPOINTED = [
 ]
 
 INTERRUPTED = ["interrupted+small_buckets"]  # ZeRO-2/3 reduce buckets during the backward that fails
+VALIDATE_EVERY = 2  # run_patterns validates "+validated" patterns every 2 training steps
 
 
 @pytest.fixture(scope="module", params=[0, 1, 2, 3], ids=lambda stage: f"zero{stage}")
 def sgd_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One 2-rank launch per stage: every pattern, and the GAN and accumulation with activation checkpointing."""
     tmp_path = tmp_path_factory.mktemp(f"zero{request.param}")
-    return train(tmp_path, request.param, "sgd", 4, "32-true", *patterns.PATTERNS, *CHECKPOINTED, *INTERRUPTED)
+    return train(
+        tmp_path, request.param, "sgd", 4, "32-true", *patterns.PATTERNS, *CHECKPOINTED, *INTERRUPTED, "gan+validated"
+    )
 
 
 def test_every_pattern_matches_pytorch_with_sgd(sgd_run: dict) -> None:
@@ -84,6 +88,15 @@ def test_training_goes_on_exactly_after_an_exception_in_backward_or_step(sgd_run
     for name in ("interrupted", "step_interrupted", *INTERRUPTED):
         assert_matches(sgd_run[name]["weights"], patterns.reference(name.split("+")[0], "sgd", 4), TOLERANCE)
         assert_backward_state_clean(sgd_run[name])
+
+
+def test_validation_during_fit_clears_gradients_as_lightning_does(sgd_run: dict) -> None:
+    """Before validating during fit Lightning clears the module's gradients; the gan pattern leaves some on D."""
+    result = sgd_run["gan+validated"]
+    assert math.isfinite(result["val_loss"])
+    expected = patterns.reference("gan", "sgd", 4, validate_every=VALIDATE_EVERY)
+    assert_matches(result["weights"], expected, TOLERANCE)
+    assert_backward_state_clean(result)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
