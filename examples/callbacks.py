@@ -10,11 +10,18 @@ import lightning.pytorch as pl
 class RunSummary(pl.Callback):
     """On rank 0, after ``fit``: the engines, the checkpoint, TensorBoard logs, sample images, next commands."""
 
+    def __init__(self) -> None:
+        self.stages: dict[str, int] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the engines exist until the strategy's teardown, which comes before on_fit_end
+        engines = getattr(trainer.strategy, "engines", {})
+        self.stages = {name: engine.zero_optimization_stage() for name, engine in engines.items()}
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
-        engines = getattr(trainer.strategy, "engines", {})
-        stages = {name: engine.zero_optimization_stage() for name, engine in engines.items()}
+        stages = self.stages
         checkpoint = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
         checkpoint = checkpoint or (trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else "")
         lines = [f"Engines (ZeRO stage): {stages}"]

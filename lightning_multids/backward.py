@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_multids.discovery import Reach
 from lightning_multids.sync import abandon_backward, is_deferred, reduction_skipped
@@ -119,8 +120,10 @@ _ROUTE: Route | None = None
 and so the parameter hooks below, on its own device thread."""
 
 
-def watch_gradients(name: str, engine: DeepSpeedEngine) -> None:
+def watch_gradients(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
     """Hook ``engine``'s trainable parameters (once, at setup) so a routed backward sees their gradients arrive.
+
+    Returns the hooks' handles, for teardown.
 
     The hook is a tensor hook, so it runs before the gradient is accumulated and before ZeRO's own
     reduction hooks (which DeepSpeed registers after accumulation). It does two things:
@@ -132,9 +135,11 @@ def watch_gradients(name: str, engine: DeepSpeedEngine) -> None:
       can only reduce if an epilogue runs in between. DeepSpeed's post-backward callback runs once, at
       the end of the outer graph task, so the strategy closes each nested phase itself.
     """
-    for param in engine.module.parameters():
-        if param.requires_grad:
-            param.register_hook(functools.partial(_on_gradient, name, engine))
+    return [
+        param.register_hook(functools.partial(_on_gradient, name, engine))
+        for param in engine.module.parameters()
+        if param.requires_grad
+    ]
 
 
 def _on_gradient(name: str, engine: DeepSpeedEngine, grad: torch.Tensor) -> None:

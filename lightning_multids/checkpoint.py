@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -161,6 +162,16 @@ def consolidated_state_dicts(path: str | Path) -> dict[str, dict[str, torch.Tens
         result[name] = {key: value.float() if value.is_floating_point() else value for key, value in state.items()}
     result["plain"] = dict(lightning["state_dict"])
     return result
+
+
+def load_weights(module: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
+    """``module.load_state_dict(state)``, also when ZeRO-3 holds ``module`` partitioned (a collective call then).
+
+    The partitions are gathered, loaded on every rank, and rank 0's result is partitioned again.
+    """
+    partitioned = [param for param in module.parameters() if hasattr(param, "ds_id")]
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0, enabled=bool(partitioned)):
+        module.load_state_dict(state, strict=strict)
 
 
 def export(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> list[Path]:

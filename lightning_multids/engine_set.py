@@ -22,16 +22,18 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_multids import backward as routing
 from lightning_multids.config import engine_config, frozen_config, merge
 from lightning_multids.discovery import reached_engines
 from lightning_multids.engines import (
+    attach,
     build_engine,
     build_frozen_engine,
+    detach,
     is_partitioned,
     match_optimizers,
-    refuse_direct_calls,
     unpartition,
 )
 from lightning_multids.optimizer import EngineOptimizer, EngineScheduler
@@ -50,16 +52,36 @@ class EngineSet:
     backward_calls: int = 0
     switched_to_manual: bool = False
     """Whether the strategy, not the user, put the module in manual optimization (several trainable engines)."""
+    handles: dict[str, list[RemovableHandle]] = field(default_factory=dict)
+    """The hooks the strategy registered for each engine, removed by :meth:`release`."""
+
+    def add_frozen(self, name: str, engine: DeepSpeedEngine) -> None:
+        """Record a frozen (inference) engine."""
+        self.engines[name] = engine
+        self.handles[name] = attach(name, engine)
 
     def add_trainable(
         self, name: str, engine: DeepSpeedEngine, optimizer: Optimizer, params: list[list[torch.nn.Parameter]]
     ) -> None:
         """Record a trainable engine, its optimizer for Lightning, and the parameters a backward can reach."""
-        refuse_direct_calls(name, engine)
-        self.engines[name] = engine
-        routing.watch_gradients(name, engine)
+        self.add_frozen(name, engine)
+        self.handles[name] += routing.watch_gradients(name, engine)
         self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
         self.owners.update({id(p): name for p in engine.module.parameters()})
+
+    def release(self) -> None:
+        """Remove every hook and patch the strategy added, destroy the engines and forget them; no collective.
+
+        ``self.optimizers()`` keeps answering for the parameter groups (learning rates) after fit, as
+        under DDP, but can no longer step.
+        """
+        for optimizer in self.optimizers:
+            optimizer.release()
+        for name, engine in self.engines.items():
+            detach(engine, self.handles.get(name, []))
+        self.engines.clear()
+        self.handles.clear()
+        self.owners.clear()
 
     def frozen_names(self) -> set[str]:
         """The names of the frozen (optimizer-less) engines."""
@@ -144,13 +166,8 @@ class EngineSet:
             )
 
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        """``module.state_dict()`` with every ZeRO-3 partition gathered; a collective call."""
-        partitioned = [
-            param
-            for engine in self.engines.values()
-            if engine.zero_optimization_partition_weights()
-            for param in engine.module.parameters()
-        ]
+        """``module.state_dict()`` with every ZeRO-3 partition gathered; a collective call (also after fit)."""
+        partitioned = [param for param in module.parameters() if hasattr(param, "ds_id")]
         if not partitioned:
             return module.state_dict()
         with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
@@ -203,9 +220,32 @@ def build_engines(
     result = EngineSet()
     _build_trainable(result, module, plan, configs)
     for name, config in plan.frozen.items():
-        result.engines[name] = build_frozen_engine(getattr(module, name), config)
-        refuse_direct_calls(name, result.engines[name])
+        result.add_frozen(name, build_frozen_engine(getattr(module, name), config))
     _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
+    return result
+
+
+def build_evaluation_engines(
+    module: pl.LightningModule,
+    *,
+    default: Mapping[str, Any],
+    overrides: Mapping[str, Mapping[str, Any]],
+    precision: str,
+    device_type: str = "cpu",
+) -> EngineSet:
+    """For validate, test and predict: an inference engine for each submodule that ZeRO-3 holds partitioned.
+
+    Such a submodule (built under ``zero.Init`` in ``configure_model``, or left partitioned by a fit) can
+    only run its forward through ZeRO-3's gather/release hooks. Whole submodules stay plain modules.
+    """
+    result = EngineSet()
+    for name, child in module.named_children():
+        if is_partitioned(child):
+            override = merge(overrides.get(name, {}), {"zero_optimization": {"stage": 3}})
+            config = engine_config(
+                name, stage=3, default=default, override=override, precision=precision, device_type=device_type
+            )
+            result.add_frozen(name, build_engine(child, frozen_config(name, config, {})))
     return result
 
 

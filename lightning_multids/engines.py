@@ -3,8 +3,9 @@
 An engine is keyed by the attribute name of its submodule on the LightningModule (``"generator"``).
 The submodule stays where it is: ``self.generator`` is still the user's module, with all its
 methods and attributes, and ``engine.module is self.generator``. DeepSpeed converts it in place
-(device, dtype, ZeRO-3 partitioning, ZeRO-3 gather/release hooks); :func:`build_engine` adds one
-forward pre-hook that casts floating-point inputs to the engine's dtype (bf16/fp16 engines).
+(device, dtype, ZeRO-3 partitioning, ZeRO-3 gather/release hooks); :func:`attach` adds one
+forward pre-hook that casts floating-point inputs to the engine's dtype (bf16/fp16 engines), and
+:func:`detach` removes everything again at teardown.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from deepspeed import DeepSpeedEngine
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 
 def parameter_owners(module: nn.Module) -> dict[int, str]:
@@ -111,7 +113,6 @@ def build_engine(
 
     Without ``optimizer``, DeepSpeed builds one from the config's ``optimizer`` section if it has one,
     over the module's trainable parameters. The engine steps its scheduler in ``engine.step()``.
-    Floating-point inputs of the module are cast to the engine's dtype on entry.
     """
     engine, *_ = deepspeed.initialize(
         model=module,
@@ -121,14 +122,44 @@ def build_engine(
         config=config,
         dist_init_required=False,
     )
-    module.register_forward_pre_hook(_cast_inputs(_engine_dtype(engine)), with_kwargs=True)
     return engine
+
+
+def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
+    """Add what the strategy needs around a built engine; return the handles that :func:`detach` removes.
+
+    Floating-point inputs of the submodule are cast to the engine's dtype on entry, and calling the
+    engine itself is refused (:func:`refuse_direct_calls`).
+    """
+    refuse_direct_calls(name, engine)
+    return [engine.module.register_forward_pre_hook(_cast_inputs(_engine_dtype(engine)), with_kwargs=True)]
+
+
+def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:
+    """Undo :func:`attach` and :func:`build_frozen_engine`'s eval patch, then destroy the engine.
+
+    ``engine.destroy()`` removes DeepSpeed's ZeRO hooks (gradient hooks, ZeRO-3 gather/release hooks);
+    the engine's forward hooks on the module are removed here. A ZeRO-3 submodule stays partitioned:
+    ``deepspeed.zero.GatheredParameters`` reads it, and the next fit or evaluation builds an engine on it.
+    """
+    for handle in handles:
+        handle.remove()
+    engine.module.__dict__.pop("train", None)
+    engine.destroy()
+    # destroy() leaves the forward hooks the engine put on its module, and each ZeRO-3 parameter's link to
+    # its optimizer (DeepSpeed 0.19.8): both would keep the engine alive as long as the module.
+    for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):
+        if handle is not None:
+            handle.remove()
+    for param in engine.module.parameters():
+        param.__dict__.pop("_z3_optimizer", None)
 
 
 def build_frozen_engine(module: nn.Module, config: dict[str, Any]) -> DeepSpeedEngine:
     """Wrap ``module`` in an inference engine: no gradients, no optimizer, always in eval mode.
 
-    ``Trainer.fit`` puts the LightningModule in train mode at every epoch; the frozen submodule ignores it.
+    ``Trainer.fit`` puts the LightningModule in train mode at every epoch; the frozen submodule ignores it
+    until :func:`detach`.
     """
     module.requires_grad_(False)
     module.eval()

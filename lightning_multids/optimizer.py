@@ -102,7 +102,7 @@ class EngineOptimizer(Optimizer):
         self._state = _StepState()
         self.manual = True
         """Whether the module runs manual optimization (set by the strategy)."""
-        skip_nonfinite_steps(engine)
+        self._handle = skip_nonfinite_steps(engine)
 
     @property
     def has_gradients(self) -> bool:
@@ -206,6 +206,15 @@ class EngineOptimizer(Optimizer):
         if self._state.configured_clipping is not None:  # clipping was for the gradients just cleared
             set_gradient_clipping(self.engine, self._state.configured_clipping)
             self._state.configured_clipping = None
+
+    def release(self) -> None:
+        """Remove the hook this optimizer put on the user's optimizer; the engine is gone after it (teardown)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._state.configured_clipping = None
+        self._state.has_gradients = False
+        self.engine = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"EngineOptimizer(engine={self.name!r}, optimizer={type(self.optimizer).__name__})"

@@ -16,7 +16,7 @@ class EnginePrecision(Precision):
 
     Lightning picks autocast (``MixedPrecision``) for ``bf16-mixed`` on a DDP-like strategy; here each
     DeepSpeed engine runs its own precision from its config instead, so this plugin adds no autocast
-    and no input conversion (engines cast their own inputs, see :func:`~lightning_multids.engines.build_engine`).
+    and no input conversion (engines cast their own inputs, see :func:`~lightning_multids.engines.attach`).
 
     Args:
         precision: the Trainer's precision flag, e.g. ``"32-true"`` or ``"bf16-mixed"``.

@@ -27,7 +27,7 @@ from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
 from lightning_multids import sync
 from lightning_multids.config import engine_config, load_config, validate_stage
-from lightning_multids.engine_set import EngineSet, build_engines
+from lightning_multids.engine_set import EngineSet, build_engines, build_evaluation_engines
 from lightning_multids.engines import check_engine_names, zero3_init
 from lightning_multids.precision import EnginePrecision
 
@@ -98,7 +98,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @property
     def engines(self) -> dict[str, DeepSpeedEngine]:
-        """The DeepSpeed engines after setup, keyed by submodule name, in optimizer order."""
+        """The DeepSpeed engines from setup to teardown, keyed by submodule name, in optimizer order."""
         return dict(self._engine_set.engines)
 
     # ---- precision: Lightning hands us its plugin; keep only the flag --------------------------------
@@ -130,7 +130,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Move the module to the device and, when fitting, build one engine per optimizer."""
+        """Move the module to the device; build one engine per optimizer when fitting, else one per ZeRO-3 submodule."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model_to_device()
@@ -150,6 +150,14 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             )
             self.optimizers = list[Optimizer](self._engine_set.optimizers)
             self.lr_scheduler_configs = self._engine_set.scheduler_configs
+        else:
+            self._engine_set = build_evaluation_engines(
+                module,
+                default=self.config,
+                overrides=self.engine_overrides,
+                precision=str(self.precision_plugin.precision),
+                device_type=self.root_device.type,
+            )
         self.setup_precision_plugin()
 
     def _agree_on_failure(self, error: BaseException | None) -> None:
@@ -288,7 +296,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         return self.lightning_module.state_dict()
 
     def consolidated_state_dict(self) -> dict[str, Any]:
-        """The module's full state dict, gathering ZeRO-3 partitions; every rank must call it."""
+        """The module's full state dict, gathering ZeRO-3 partitions; every rank must call it (during or after fit)."""
         assert self.lightning_module is not None
         return self._engine_set.full_state_dict(self.lightning_module)
 
@@ -323,7 +331,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         saved = lightning[checkpoints.FORMAT_KEY]
         module = self.lightning_module
         assert module is not None
-        if self._engine_set.engines:
+        if self._engine_set.optimizers:  # fitting: every state, into the engines
             trainable = {o.name: self._engine_set.engines[o.name] for o in self._engine_set.optimizers}
             check_names = {n: saved["engines"][n] for n in saved["engines"] if n not in saved["frozen"]}
             checkpoints.check_engines({"engines": check_names}, trainable, path)
@@ -332,7 +340,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         else:
             for name, state in checkpoints.consolidated_state_dicts(path).items():
                 if name != "plain":
-                    getattr(module, name).load_state_dict(state, strict=module.strict_loading)
+                    checkpoints.load_weights(getattr(module, name), state, strict=module.strict_loading)
         return lightning
 
     @override
@@ -349,6 +357,16 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing here: :meth:`load_checkpoint` restored each engine's optimizer state."""
+
+    @override
+    def teardown(self) -> None:
+        """Remove every hook and patch the strategy added and release the engines, then tear down as DDP does.
+
+        Nothing here is a collective, so it is safe after an exception on one rank. The submodules stay
+        the user's modules; ZeRO-3 ones stay partitioned (see :meth:`consolidated_state_dict`).
+        """
+        self._engine_set.release()
+        super().teardown()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -29,6 +29,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
+from torch.utils.hooks import RemovableHandle
 
 
 def clear_gradients(engine: DeepSpeedEngine) -> None:
@@ -117,7 +118,7 @@ class NonFiniteGradients(FloatingPointError):
     """Raised in ``engine.step()`` when the reduced gradients hold a NaN or inf (:func:`skip_nonfinite_steps`)."""
 
 
-def skip_nonfinite_steps(engine: DeepSpeedEngine) -> None:
+def skip_nonfinite_steps(engine: DeepSpeedEngine) -> RemovableHandle | None:
     """Make ``engine.step()`` apply no update, on every rank alike, when its reduced gradients hold a NaN or inf.
 
     The check runs on the gradients after the reduction, where every rank sees the same verdict, so it
@@ -133,16 +134,17 @@ def skip_nonfinite_steps(engine: DeepSpeedEngine) -> None:
     (bf16 with ``check_grad_overflow: false``, fp32 with ``compute_grad_norm: false``) gets the overflow check
     turned back on. Stage 0 in fp32 steps the torch optimizer as it is: a step pre-hook on it raises
     :class:`NonFiniteGradients` before it updates anything (the reduced gradients are the same on every rank
-    at stage 0, so every rank raises).
+    at stage 0, so every rank raises); its handle is returned, for teardown.
     """
     optimizer = engine.optimizer
     if engine.fp16_enabled() or isinstance(optimizer, BF16_Optimizer | DeepSpeedZeroOptimizer_Stage3):
-        return
+        return None
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         if not (optimizer.compute_grad_norm and optimizer.dtype != torch.bfloat16):
             optimizer.check_grad_overflow = True
     elif isinstance(optimizer, torch.optim.Optimizer):
-        optimizer.register_step_pre_hook(_refuse_nonfinite)
+        return optimizer.register_step_pre_hook(_refuse_nonfinite)
+    return None
 
 
 def _refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -378,12 +378,13 @@ def _requires_grad_only(trained: nn.Module, others: list[nn.Module]) -> Iterator
 
 
 def reference(
-    pattern: str, optimizer: str, steps: int, global_batch: int = 8, validate_every: int = 0
+    pattern: str, optimizer: str, steps: int, global_batch: int = 8, validate_every: int = 0, fits: int = 1
 ) -> dict[str, torch.Tensor]:
     """Train ``pattern`` in one process with plain PyTorch on the global batches; return the weights.
 
     ``validate_every=N``: clear every gradient after each N steps, as Lightning does before it validates
     during fit (``on_validation_model_zero_grad``), which drops what a step left for the next one.
+    ``fits=N``: N fits one after the other on the same modules (new optimizers, no gradient carried over).
     """
     G, D = make_modules()
     opt_g, opt_d = make_optimizer(optimizer, G.parameters()), make_optimizer(optimizer, D.parameters())
@@ -396,8 +397,13 @@ def reference(
         torch.nn.utils.clip_grad_norm_(owner[id(opt)].parameters(), max_norm)
 
     data = make_batches(steps, global_batch)
-    for step in range(steps):
-        batch = data[step * global_batch : (step + 1) * global_batch]
+    for step in range(steps * fits):
+        if step and step % steps == 0:  # the next fit
+            G.zero_grad()
+            D.zero_grad()
+            opt_g, opt_d = make_optimizer(optimizer, G.parameters()), make_optimizer(optimizer, D.parameters())
+            owner = {id(opt_g): G, id(opt_d): D}
+        batch = data[step % steps * global_batch : (step % steps + 1) * global_batch]
         extra = {"clip": clip} if pattern in CLIPPING else {}
         toggled = toggle if pattern == "gan_toggle" else None
         STEPS[pattern](G, D, batch, opt_g, opt_d, lambda loss: loss.backward(), toggled, **extra)

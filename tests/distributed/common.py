@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -55,3 +56,14 @@ def finish() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+class AtFitEnd(pl.Callback):
+    """Record ``read(strategy)`` when training ends, before teardown releases the engines, in ``self.value``."""
+
+    def __init__(self, read: Callable[[Any], Any]) -> None:
+        self.read = read
+        self.value: Any = None
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.value = self.read(trainer.strategy)

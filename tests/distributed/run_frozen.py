@@ -15,7 +15,7 @@ import torch
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.common import cpu_trainer, finish, sharded_loader
+from tests.distributed.common import AtFitEnd, cpu_trainer, finish, sharded_loader
 
 warnings.filterwarnings("ignore")
 
@@ -78,7 +78,19 @@ def main() -> None:
         strategy = MultiDeepSpeedStrategy(
             engines={"frozen": {"zero_optimization": {"stage": int(frozen_stage)}}, "trained": trained}
         )
-        trainer = cpu_trainer(strategy, precision=precision, enable_checkpointing=False, use_distributed_sampler=False)
+        engines_at_end = AtFitEnd(
+            lambda s: {
+                "engines": sorted(s.engines),
+                "frozen_has_optimizer_state": bool(getattr(s.engines["frozen"], "basic_optimizer", None)),
+            }
+        )
+        trainer = cpu_trainer(
+            strategy,
+            callbacks=[engines_at_end],
+            precision=precision,
+            enable_checkpointing=False,
+            use_distributed_sampler=False,
+        )
         trainer.fit(module)
         state = strategy.consolidated_state_dict()
         results[spec] = {
@@ -89,8 +101,7 @@ def main() -> None:
             "frozen_training": module.frozen.training,
             "frozen_requires_grad": any(p.requires_grad for p in module.frozen.parameters()),
             "optimizers": [opt.name for opt in strategy.optimizers],
-            "engines": sorted(strategy.engines),
-            "frozen_has_optimizer_state": bool(getattr(strategy.engines["frozen"], "basic_optimizer", None)),
+            **engines_at_end.value,
             "dtype": str(next(module.trained.parameters()).dtype),
             "built_partitioned": getattr(module, "built_partitioned", None),
             "trained_partitioned": any(hasattr(p, "ds_id") for p in module.trained.parameters()),

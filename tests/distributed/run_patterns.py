@@ -16,11 +16,10 @@ import torch
 from deepspeed.accelerator import get_accelerator, set_accelerator
 from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.common import cpu_trainer, finish, sharded_loader
+from tests.distributed.common import AtFitEnd, cpu_trainer, finish, sharded_loader
 
 warnings.filterwarnings("ignore")
 
@@ -105,8 +104,6 @@ def backward_state(engine) -> dict[str, float]:
     state = {"running_backward": int(engine._running_engine_backward_count), "clipping": engine.gradient_clipping()}
     if isinstance(engine.optimizer, ZeROOptimizer):
         state["depth"] = int(engine.optimizer._backward_active_depth)
-    if engine.zero_optimization_partition_weights():  # ZeRO-3: no parameter left gathered
-        state["gathered"] = sum(p.ds_status != ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
     return state
 
 
@@ -128,8 +125,15 @@ def main() -> None:
             config=SMALL_BUCKETS if pattern.endswith("+small_buckets") else None,
             engines=FP16_SCALES if precision == "16-mixed" else None,
         )
+        engines_at_end = AtFitEnd(
+            lambda s: {
+                "engines": {name: backward_state(e) for name, e in s.engines.items()},
+                "loss_scales": {name: float(getattr(e.optimizer, "loss_scale", 0.0)) for name, e in s.engines.items()},
+            }
+        )
         trainer = cpu_trainer(
             strategy,
+            callbacks=[engines_at_end],
             precision=precision,
             accumulate_grad_batches=2 if pattern == "automatic" else 1,
             enable_checkpointing=False,
@@ -141,15 +145,12 @@ def main() -> None:
         device = str(next(module.generator.parameters()).device)
         results[pattern] = {
             "weights": {k: v.float().clone() for k, v in state.items()},
-            "engines": {name: backward_state(e) for name, e in strategy.engines.items()},
+            **engines_at_end.value,
             "automatic": module.automatic_optimization,
             "dtype": str(next(module.generator.parameters()).dtype),
             "lr": [group["lr"] for opt in strategy.optimizers for group in opt.param_groups],
             "device": device,
             "ds_accelerator": get_accelerator().device_name(),
-            "loss_scales": {
-                name: float(getattr(e.optimizer, "loss_scale", 0.0)) for name, e in strategy.engines.items()
-            },
             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
         }
     if trainer.global_rank == 0:

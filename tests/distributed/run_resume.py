@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.common import cpu_trainer, finish, sharded_loader
+from tests.distributed.common import AtFitEnd, cpu_trainer, finish, sharded_loader
 
 warnings.filterwarnings("ignore")
 BATCHES = 2  # per epoch and rank
@@ -69,17 +69,18 @@ def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = 
     module = Resumable(case)
     engines = {"teacher": {"zero_optimization": {"stage": 3}}} if case == "distill" else {}
     strategy = MultiDeepSpeedStrategy(stage=stage, engines=engines)
+    optimizers_at_end = AtFitEnd(lambda s: [t for opt in s.optimizers for t in optimizer_state(opt.engine)])
     trainer = cpu_trainer(
         strategy,
         max_epochs=epochs,
         use_distributed_sampler=False,
-        callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1)],
+        callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1), optimizers_at_end],
         default_root_dir=root,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     return {
         "weights": strategy.consolidated_state_dict(),
-        "optimizer": [t for opt in strategy.optimizers for t in optimizer_state(opt.engine)],
+        "optimizer": optimizers_at_end.value,
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "files": sorted(p.name for p in root.iterdir()),

@@ -1,0 +1,112 @@
+"""Per-rank script: fit twice on the same module object, then test it; count what is left after each.
+
+Usage: run_lifecycle.py OUT
+
+The module has a generator (ZeRO-0 in the first fit, ZeRO-2 in the second), a ZeRO-3 discriminator and
+a frozen ZeRO-3 critic, so every kind of hook the strategy and DeepSpeed register is there during fit:
+a step pre-hook on the user's optimizer (stage 0), gradient hooks (every stage, ZeRO-2's after
+accumulation), ZeRO-3's module hooks, the input cast pre-hook and the frozen engine's ``train`` patch.
+Rank 0 saves, after each fit and after the test, the hooks and live engines it counts.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from deepspeed import DeepSpeedEngine
+from torch import nn
+
+from lightning_multids import MultiDeepSpeedStrategy
+from tests import patterns
+from tests.distributed.common import cpu_trainer, finish, sharded_loader
+
+warnings.filterwarnings("ignore")
+STEPS = 4
+
+
+class Lifecycle(pl.LightningModule):
+    """The gan pattern, with a frozen critic called under no_grad in every step and in test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator, self.discriminator = patterns.make_modules()
+        self.critic = nn.Linear(6, 1)
+        self.made: list[torch.optim.Optimizer] = []
+        self.test_inputs: list[torch.Tensor] = []
+        self.test_outputs: list[torch.Tensor] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        patterns.gan(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
+        with torch.no_grad():
+            self.critic(patterns.split(batch)[0])
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        real, z = patterns.split(batch)
+        self.critic(real)
+        self.test_inputs.append(batch.clone())
+        self.test_outputs.append(self.discriminator(self.generator(z)).float().clone())
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        self.made = [patterns.make_optimizer("sgd", m.parameters()) for m in (self.generator, self.discriminator)]
+        return self.made
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return sharded_loader(self, patterns.make_batches(STEPS))
+
+    def test_dataloader(self) -> torch.utils.data.DataLoader:
+        return self.train_dataloader()
+
+
+def leftovers(module: Lifecycle) -> dict[str, Any]:
+    """What the strategy or DeepSpeed may have left on the module, its optimizers and in memory."""
+    gc.collect()
+    hooks = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    return {
+        "module_hooks": sum(len(getattr(m, h)) for m in module.modules() for h in hooks),
+        "param_hooks": sum(
+            len(p._backward_hooks or {}) + len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+            for p in module.parameters()
+        ),
+        "optimizer_hooks": sum(len(o._optimizer_step_pre_hooks) for o in module.made),
+        "patched": sorted(n for n, m in module.named_children() if "train" in m.__dict__),
+        "live_engines": sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()),
+    }
+
+
+def strategy(generator_stage: int) -> MultiDeepSpeedStrategy:
+    return MultiDeepSpeedStrategy(
+        engines={
+            "generator": {"zero_optimization": {"stage": generator_stage}},
+            "discriminator": {"zero_optimization": {"stage": 3}},
+            "critic": {"zero_optimization": {"stage": 3}},
+        }
+    )
+
+
+def main() -> None:
+    out = sys.argv[1]
+    module = Lifecycle()
+    results: dict[str, Any] = {"before": leftovers(module)}
+    for fit, stage in enumerate((0, 2)):
+        trainer = cpu_trainer(strategy(stage), enable_checkpointing=False, use_distributed_sampler=False)
+        trainer.fit(module)
+        results[f"fit{fit}"] = leftovers(module)
+    results["weights"] = {k: v.float().clone() for k, v in trainer.strategy.consolidated_state_dict().items()}
+    tester = cpu_trainer(strategy(2), use_distributed_sampler=False)
+    tester.test(module)
+    results["test"] = leftovers(module)
+    results["test_inputs"] = torch.cat(module.test_inputs)
+    results["test_outputs"] = torch.cat(module.test_outputs)
+    if trainer.global_rank == 0:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main()
+    finish()

@@ -1,0 +1,47 @@
+"""Teardown leaves nothing behind: fit twice on one module object, then test it (ZeRO 0/2/3, a frozen engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import patterns
+from tests.distributed import run_lifecycle
+from tests.distributed.harness import run_ranks
+from tests.distributed.test_patterns import TOLERANCE, assert_matches
+
+NOTHING_LEFT = {"module_hooks": 0, "param_hooks": 0, "optimizer_hooks": 0, "patched": [], "live_engines": 0}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("lifecycle") / "results.pt"
+    run_ranks(Path(run_lifecycle.__file__), str(out), timeout=300)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("after", ["fit0", "fit1", "test"])
+def test_teardown_removes_every_hook_patch_and_engine(results: dict, after: str) -> None:
+    assert results["before"] == NOTHING_LEFT
+    assert results[after] == NOTHING_LEFT
+
+
+def test_a_second_fit_on_the_same_module_trains_on_from_the_first(results: dict) -> None:
+    """Each fit builds new engines on the weights the last one left (ZeRO-3 ones still partitioned)."""
+    expected = patterns.reference("gan", "sgd", run_lifecycle.STEPS, fits=2)
+    assert_matches(results["weights"], expected, TOLERANCE)
+
+
+def test_test_after_fit_runs_the_trained_zero3_engine(results: dict) -> None:
+    expected = patterns.reference("gan", "sgd", run_lifecycle.STEPS, fits=2)
+    G, D = patterns.make_modules()
+    G.load_state_dict({k.removeprefix("generator."): v for k, v in expected.items() if k.startswith("generator.")})
+    D.load_state_dict(
+        {k.removeprefix("discriminator."): v for k, v in expected.items() if k.startswith("discriminator.")}
+    )
+    _, z = patterns.split(results["test_inputs"])
+    with torch.no_grad():
+        diff = (D(G(z)) - results["test_outputs"]).abs().max().item()
+    assert diff <= TOLERANCE
