@@ -217,3 +217,46 @@ def frozen_config(name: str, config: Mapping[str, Any], override: Mapping[str, A
     if frozen["zero_optimization"].get("stage", 0) in (1, 2):
         frozen["zero_optimization"]["stage"] = 0
     return frozen
+
+
+_INIT_SETTINGS = (("fp16", "enabled"), ("bf16", "enabled"), ("zero_optimization", "offload_param"))
+"""What ``deepspeed.zero.Init`` reads from a config when it partitions new parameters: their dtype and place."""
+
+
+def zero3_init_config(
+    stage: int, default: Mapping[str, Any], overrides: Mapping[str, Mapping[str, Any]], precision: str
+) -> dict[str, Any] | None:
+    """The config for ``deepspeed.zero.Init`` in ``configure_model``, or None when no engine can be ZeRO-3.
+
+    Each engine's stage is resolved as for its engine (``stage``, then ``config``, then its entry); a
+    submodule without an entry gets the default. Every ZeRO-3 candidate must agree on what ``zero.Init``
+    reads (dtype, ``offload_param``): one ``zero.Init`` builds every submodule of ``configure_model``.
+
+    Raises:
+        ValueError: two ZeRO-3 candidates disagree on one of those settings.
+    """
+    candidates = {
+        "every engine without an entry": engine_config(
+            "default", stage=stage, default=default, override={}, precision=precision
+        ),
+        **{
+            f"the engine {name!r}": engine_config(
+                name, stage=stage, default=default, override=override, precision=precision
+            )
+            for name, override in overrides.items()
+        },
+    }
+    zero3 = {who: config for who, config in candidates.items() if config["zero_optimization"].get("stage") == 3}
+    if not zero3:
+        return None
+    (first, chosen), *others = zero3.items()
+    for who, config in others:
+        for section, key in _INIT_SETTINGS:
+            mine, theirs = config.get(section, {}).get(key), chosen.get(section, {}).get(key)
+            if mine != theirs:
+                raise ValueError(
+                    f"ZeRO-3 builds the submodules of `configure_model` with one `deepspeed.zero.Init`, but {first} "
+                    f"sets `{section}.{key}` to {theirs!r} and {who} to {mine!r}. Give every ZeRO-3 engine the same "
+                    f"`{section}.{key}`, or build the ones that differ in `__init__` instead of `configure_model`."
+                )
+    return chosen

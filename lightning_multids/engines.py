@@ -205,15 +205,21 @@ def unpartition(module: nn.Module) -> None:
     """Replace the ZeRO-3-partitioned parameters of ``module`` by whole, ordinary ones (a collective call).
 
     Used for submodules built under ``zero.Init`` in ``configure_model`` whose engine is not ZeRO-3.
-    The parameter objects change, so this must run before an optimizer holds them.
+    The parameter objects change, so this must run before an optimizer holds them. A parameter shared
+    by several modules (tied weights) becomes one whole parameter, still shared. Floating-point ones get
+    torch's default dtype, as if built without ``zero.Init`` (whose dtype is the ZeRO-3 engines').
     """
     partitioned = [param for param in module.parameters() if hasattr(param, "ds_id")]
+    dtype = torch.get_default_dtype()  # what it would have been built in without zero.Init; its engine casts
+    whole: dict[nn.Parameter, nn.Parameter] = {}
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
         for child in module.modules():
             for name, param in list(child._parameters.items()):
                 if param is not None and hasattr(param, "ds_id"):
-                    whole = nn.Parameter(param.data.clone(), requires_grad=param.requires_grad)
-                    child._parameters[name] = whole
+                    if param not in whole:
+                        data = param.data.to(dtype) if param.is_floating_point() else param.data
+                        whole[param] = nn.Parameter(data.clone(), requires_grad=param.requires_grad)
+                    child._parameters[name] = whole[param]
 
 
 def refuse_direct_calls(name: str, engine: DeepSpeedEngine) -> None:

@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
 from lightning_multids import sync
-from lightning_multids.config import engine_config, load_config, validate_stage
+from lightning_multids.config import load_config, validate_stage, zero3_init_config
 from lightning_multids.engine_set import EngineSet, build_engines, build_evaluation_engines
 from lightning_multids.engines import check_engine_names, zero3_init
 from lightning_multids.precision import EnginePrecision
@@ -194,17 +194,15 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ``zero.Init`` partitions every module created inside it; at setup, the submodules whose engine
         turns out not to be ZeRO-3 (and plain submodules) are made whole again before any optimizer holds
         them. So a ZeRO-3 teacher never exists whole in one process, while a ZeRO-2 student beside it
-        ends up whole, as its engine expects.
+        ends up whole, as its engine expects. ``zero.Init`` gets the ZeRO-3 engines' config (dtype,
+        ``offload_param``), which they must share (see :func:`~lightning_multids.config.zero3_init_config`).
         """
-        stages = [self.stage] + [
-            o.get("zero_optimization", {}).get("stage", self.stage) for o in self.engine_overrides.values()
-        ]
-        if 3 not in stages:
+        config = zero3_init_config(
+            self.stage, self.config, self.engine_overrides, precision=str(self.precision_plugin.precision)
+        )
+        if config is None:
             yield
             return
-        config = engine_config(
-            "configure_model", stage=3, default=self.config, override={}, precision=str(self.precision_plugin.precision)
-        )
         with zero3_init(config):
             yield
 
@@ -311,6 +309,12 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("MultiDeepSpeedStrategy writes checkpoints itself: `storage_options` is not used.")
         assert self.lightning_module is not None
+        if not self._engine_set.engines or not self._engine_set.optimizers:
+            raise RuntimeError(
+                "MultiDeepSpeedStrategy saves checkpoints while it fits: each engine writes its own part, and the "
+                "engines are released when `fit` ends. Save with a `ModelCheckpoint` callback (`save_last=True` "
+                "keeps the final state), or call `trainer.save_checkpoint(path)` in `on_train_end` at the latest."
+            )
         engines = self._engine_set.engines
         frozen = self._engine_set.frozen_names()
         checkpoints.save(

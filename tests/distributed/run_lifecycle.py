@@ -98,6 +98,10 @@ def main() -> None:
         trainer.fit(module)
         results[f"fit{fit}"] = leftovers(module)
     results["weights"] = {k: v.float().clone() for k, v in trainer.strategy.consolidated_state_dict().items()}
+    try:
+        trainer.save_checkpoint(f"{out}.after_fit.ckpt")
+    except RuntimeError as error:
+        results["save_after_fit"] = str(error)
     tester = cpu_trainer(strategy(2), use_distributed_sampler=False)
     tester.test(module)
     results["test"] = leftovers(module)

@@ -45,3 +45,9 @@ def test_test_after_fit_runs_the_trained_zero3_engine(results: dict) -> None:
     with torch.no_grad():
         diff = (D(G(z)) - results["test_outputs"]).abs().max().item()
     assert diff <= TOLERANCE
+
+
+def test_saving_after_fit_is_refused_with_the_fix(results: dict) -> None:
+    """The engines that write each part of a checkpoint are gone after fit: say where to save instead."""
+    assert "ModelCheckpoint" in results["save_after_fit"]
+    assert "on_train_end" in results["save_after_fit"]

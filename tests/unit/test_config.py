@@ -12,6 +12,7 @@ from lightning_multids.config import (
     merge,
     precision_section,
     validate_stage,
+    zero3_init_config,
 )
 
 
@@ -143,3 +144,26 @@ def test_frozen_engine_refuses_settings_that_need_an_optimizer(key: str) -> None
     config = engine_config("teacher", stage=3, default={}, override=override)
     with pytest.raises(ValueError, match=rf"engine 'teacher' has no optimizer.*`{key}` setting would do nothing"):
         frozen_config("teacher", config, override)
+
+
+def test_zero3_init_config_resolves_each_engine_stage_and_takes_the_zero3_one() -> None:
+    assert zero3_init_config(2, {}, {"a": {}}, "32-true") is None
+    teacher = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    config = zero3_init_config(2, {}, {"teacher": teacher, "student": {}}, "32-true")
+    assert config is not None and config["bf16"]["enabled"] and config["zero_optimization"]["stage"] == 3
+    from_config = zero3_init_config(2, {"zero_optimization": {"stage": 3}}, {}, "32-true")
+    assert from_config is not None and from_config["zero_optimization"]["stage"] == 3
+
+
+def test_zero3_engines_that_disagree_on_what_zero_init_reads_are_refused() -> None:
+    overrides = {
+        "teacher": {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}},
+        "reward": {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+    }
+    with pytest.raises(ValueError, match=r"the engine 'teacher' sets `bf16.enabled` to True and the engine 'reward'"):
+        zero3_init_config(2, {}, overrides, "32-true")
+    overrides["reward"]["bf16"] = {"enabled": True}
+    with pytest.raises(
+        ValueError, match=r"`zero_optimization.offload_param`.*build the ones that differ in `__init__`"
+    ):
+        zero3_init_config(2, {}, overrides, "32-true")
