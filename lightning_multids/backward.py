@@ -35,7 +35,6 @@ import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from deepspeed import DeepSpeedEngine
@@ -43,7 +42,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids.discovery import Reach
-from lightning_multids.sync import abandon_backward, is_deferred, reduction_skipped
+from lightning_multids.sync import abandon_backward, is_deferred, loss_scale, reduction_skipped
 
 
 @dataclass
@@ -206,16 +205,6 @@ def routed(loss: torch.Tensor, engines: Mapping[str, DeepSpeedEngine], reach: Re
         route.leave()
         if handle is not None:
             handle.remove()
-
-
-def loss_scale(engine: DeepSpeedEngine) -> float:
-    """The factor ``engine``'s optimizer divides gradients by in ``step()``: its fp16 loss scale, else 1."""
-    if not engine.fp16_enabled():
-        return 1.0
-    scale: Any = getattr(engine.optimizer, "loss_scale", None)  # ZeRO optimizers
-    if scale is None:
-        scale = getattr(engine.optimizer, "cur_scale", 1.0)  # FP16_Optimizer (stage 0)
-    return float(scale)
 
 
 def loss_scaling(engines: Mapping[str, DeepSpeedEngine]) -> tuple[float, dict[str, float]]:

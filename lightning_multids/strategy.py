@@ -240,6 +240,26 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         with sync.deferred_reduction(self._engine_set.trainable(names, what="no_sync")):
             yield
 
+    def full_gradients(self, name: str) -> dict[str, Tensor]:
+        """The gradients of engine ``name``, whole and averaged over the ranks, as plain PyTorch would hold them.
+
+        Call it between ``self.manual_backward(loss)`` and ``opt.step()``, on every rank (a collective): at
+        ZeRO-2/3 ``param.grad`` is None there, since DeepSpeed keeps only this rank's reduced partition::
+
+            self.manual_backward(loss)
+            grads = self.trainer.strategy.full_gradients("generator")  # {"0.weight": tensor, ...}
+            self.log("grad_norm", torch.stack([g.norm() for g in grads.values()]).norm())
+
+        Keys are parameter names within the submodule; values are fp32 tensors (fp16 loss scaling undone).
+        """
+        engines = {optimizer.name: optimizer.engine for optimizer in self._engine_set.optimizers}
+        if name not in engines or engines[name] is None:
+            raise ValueError(
+                f"`full_gradients({name!r})`: there is no trainable engine {name!r} now. Trainable engines exist "
+                f"during fit: {sorted(engines)}."
+            )
+        return sync.full_gradients(engines[name])
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``training_step``; refuse a module switched to manual optimization that can never train."""

@@ -25,10 +25,12 @@ from typing import Any
 
 import torch
 from deepspeed import DeepSpeedEngine
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
+from deepspeed.utils import safe_get_full_grad
 from torch.utils.hooks import RemovableHandle
 
 
@@ -101,6 +103,77 @@ def _clear_zero_1_2(optimizer: DeepSpeedZeroOptimizer) -> None:
         optimizer.all_grad_tensors[index] = None
     optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
     optimizer.zero_grad(set_to_none=True)
+
+
+def full_gradients(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's gradient, whole and averaged over the ranks, between a backward and ``step()``.
+
+    What one process of plain PyTorch on the global batch holds in ``param.grad`` (before the optimizer's
+    own loss-scale division, which is undone here for fp16). A collective call: every rank, same engines,
+    same order. Keys are the parameter names within the engine's module. Read from (DeepSpeed 0.19.8):
+
+    * stage 0/1: the local gradient (``param.grad``, or ZeRO-1's ``grad_accum``), all-reduced here;
+    * stage 2: this rank's reduced fragments, which DeepSpeed's ``safe_get_full_grad`` reads only at the
+      accumulation boundary (``averaged_gradients``), so they are built for it from the accumulated ones;
+    * stage 3: ``safe_get_full_grad``, which gathers the reduced partitions.
+    """
+    optimizer = engine.optimizer
+    params = {name: param for name, param in engine.module.named_parameters() if param.requires_grad}
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        grads = {name: safe_get_full_grad(param) for name, param in params.items()}
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.partition_gradients:
+        with _reduced_fragments_exposed(optimizer):
+            grads = {name: safe_get_full_grad(param) for name, param in params.items()}
+    else:
+        grads = {name: _local_gradient(param) for name, param in params.items()}
+        for grad in grads.values():
+            torch.distributed.all_reduce(grad)
+            grad /= torch.distributed.get_world_size()
+    scale = loss_scale(engine)
+    return {
+        name: grad.detach()
+        .float()
+        .reshape(params[name].ds_shape if hasattr(params[name], "ds_shape") else params[name].shape)
+        / scale
+        for name, grad in grads.items()
+    }
+
+
+def _local_gradient(param: torch.nn.Parameter) -> torch.Tensor:
+    grad = param.grad if param.grad is not None else getattr(param, "grad_accum", None)
+    if grad is None:
+        grad = getattr(param, "_hp_grad", None)  # bf16 at stage 0: BF16_Optimizer accumulates in fp32 beside it
+    return torch.zeros_like(param, dtype=torch.float32) if grad is None else grad.detach().float().clone()
+
+
+@contextmanager
+def _reduced_fragments_exposed(optimizer: DeepSpeedZeroOptimizer) -> Iterator[None]:
+    """Show ZeRO-2's accumulated reduced gradients where ``safe_get_full_grad`` reads them, during the body."""
+    for index in range(len(optimizer.bit16_groups)):
+        optimizer.averaged_gradients[index] = optimizer.get_flat_partition(
+            optimizer.params_in_partition[index],
+            optimizer.first_offset[index],
+            optimizer.partition_size[index],
+            dtype=optimizer.gradient_accumulation_dtype,
+            device=get_accelerator().current_device_name(),
+            param_group_idx=index,
+            return_tensor_list=True,
+        )
+    try:
+        yield
+    finally:
+        for index in range(len(optimizer.bit16_groups)):
+            optimizer.averaged_gradients[index] = None
+
+
+def loss_scale(engine: DeepSpeedEngine) -> float:
+    """The factor ``engine``'s optimizer divides gradients by in ``step()``: its fp16 loss scale, else 1."""
+    if not engine.fp16_enabled():
+        return 1.0
+    scale: Any = getattr(engine.optimizer, "loss_scale", None)  # ZeRO optimizers
+    if scale is None:
+        scale = getattr(engine.optimizer, "cur_scale", 1.0)  # FP16_Optimizer (stage 0)
+    return float(scale)
 
 
 def set_gradient_clipping(engine: DeepSpeedEngine, max_norm: float) -> None:

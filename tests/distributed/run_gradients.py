@@ -1,0 +1,72 @@
+"""Per-rank script: ``strategy.full_gradients(name)`` between backward and step, at one ZeRO stage and precision.
+
+Usage: run_gradients.py OUT STAGE PRECISION
+
+The ``shared`` pattern's first backward (one loss over both engines, so the discriminator's gradients come
+from two uses); rank 0 saves what ``full_gradients`` gives for each engine, and its unknown-name error.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_multids import MultiDeepSpeedStrategy
+from tests import patterns
+from tests.distributed.common import cpu_trainer, finish, sharded_loader
+
+warnings.filterwarnings("ignore")
+
+
+class Reader(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator, self.discriminator = patterns.make_modules()
+        self.read: dict[str, Any] = {}
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        real, z = patterns.split(batch)
+        loss = (self.discriminator(self.generator(z)) - 0.3).pow(2).mean() + self.discriminator(real).pow(2).mean()
+        self.manual_backward(loss)
+        if batch_idx == 0:
+            strategy = self.trainer.strategy
+            for name in ("generator", "discriminator"):
+                self.read.update({f"{name}.{k}": v.clone() for k, v in strategy.full_gradients(name).items()})
+            try:
+                strategy.full_gradients("critic")
+            except ValueError as error:
+                self.read["error"] = str(error)
+        opt_g.step()
+        opt_d.step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [patterns.make_optimizer("sgd", m.parameters()) for m in (self.generator, self.discriminator)]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return sharded_loader(self, patterns.make_batches(2))
+
+
+def main() -> None:
+    out, stage, precision = sys.argv[1:]
+    module = Reader()
+    trainer = cpu_trainer(
+        MultiDeepSpeedStrategy(stage=int(stage)),
+        precision=precision,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module)
+    if trainer.global_rank == 0:
+        torch.save(module.read, out)
+
+
+if __name__ == "__main__":
+    main()
+    finish()
