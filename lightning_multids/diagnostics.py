@@ -1,7 +1,8 @@
-"""Counting what the engines communicate: how many gradient reductions each engine makes.
+"""What the engines do that user code cannot see: gradient reductions counted, gradient readers warned.
 
-Used by the tests and the GradCache benchmark; also handy to check that a training step reduces each
-engine's gradients as often as intended (once per step inside ``strategy.no_sync``).
+:class:`ReductionCounter` is used by the tests and the GradCache benchmark; also handy to check that a
+training step reduces each engine's gradients as often as intended (once per step inside
+``strategy.no_sync``). :func:`warn_gradient_readers` runs at setup.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import lightning.pytorch as pl
 from deepspeed import DeepSpeedEngine
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 _REDUCTION_METHOD = {
     # stage: (object, method) called once per reduction round (per bucket at ZeRO-2/3)
@@ -51,3 +54,42 @@ class ReductionCounter:
         for target, method in self._patched:
             delattr(target, method)  # the class's method shows through again
         self._patched.clear()
+
+
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def _overridden(module: pl.LightningModule, hook: str) -> bool:
+    return getattr(type(module), hook) is not getattr(pl.LightningModule, hook)
+
+
+def warn_gradient_readers(module: pl.LightningModule, engines: Mapping[str, DeepSpeedEngine]) -> None:
+    """Warn where user hooks would read ``param.grad`` that ZeRO-2/3 leaves None, or would never be called.
+
+    Args:
+        module: the LightningModule.
+        engines: its trainable engines by name.
+    """
+    partitioned = sorted(name for name, e in engines.items() if e.zero_optimization_partition_gradients())
+    readers = [hook for hook in _GRADIENT_HOOKS if _overridden(module, hook)]
+    name = type(module).__name__
+    if partitioned and readers:
+        rank_zero_warn(
+            f"`{name}` overrides {', '.join(f'`{h}`' for h in readers)}: the ZeRO-2/3 engines {partitioned} keep only "
+            "their reduced partition, so `param.grad` is None between backward and step (Lightning's `grad_norm` "
+            "returns nothing). Read `self.trainer.strategy.full_gradients(name)` there instead."
+        )
+    if not _overridden(module, "configure_gradient_clipping"):
+        return
+    if not module.automatic_optimization:
+        rank_zero_warn(
+            f"`{name}` overrides `configure_gradient_clipping`, which Lightning calls only in automatic optimization; "
+            f"`{name}` runs manual optimization ({len(engines)} engines). Clip in `training_step` with "
+            "`self.clip_gradients(opt, gradient_clip_val=...)` before `opt.step()`."
+        )
+    elif partitioned:
+        rank_zero_warn(
+            f"`{name}` overrides `configure_gradient_clipping`: only `self.clip_gradients(...)` calls in it take "
+            f"effect (DeepSpeed clips inside `step()`); `param.grad` is None there for the ZeRO-2/3 engines "
+            f"{partitioned}."
+        )

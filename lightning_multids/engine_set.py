@@ -37,7 +37,7 @@ from lightning_multids.engines import (
     unpartition,
 )
 from lightning_multids.optimizer import EngineOptimizer, EngineScheduler
-from lightning_multids.sync import is_deferred
+from lightning_multids.sync import is_deferred, set_gradient_clipping
 
 
 @dataclass
@@ -68,6 +68,20 @@ class EngineSet:
         self.handles[name] += routing.watch_gradients(name, engine)
         self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
         self.owners.update({id(p): name for p in engine.module.parameters()})
+
+    def clip_by_default(
+        self, clip: float | None, default: Mapping[str, Any], overrides: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        """Clip with ``Trainer(gradient_clip_val=clip)`` every trainable engine whose config sets no clipping.
+
+        For manual optimization: Lightning then never calls ``configure_gradient_clipping``, so the engines
+        clip in every ``step()`` themselves. (In automatic optimization Lightning's hook clips per step.)
+        """
+        if not clip:
+            return
+        for optimizer in self.optimizers:
+            if "gradient_clipping" not in merge(default, overrides.get(optimizer.name, {})):
+                set_gradient_clipping(optimizer.engine, float(clip))
 
     def release(self) -> None:
         """Remove every hook and patch the strategy added, destroy the engines and forget them; no collective.

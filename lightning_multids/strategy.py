@@ -27,6 +27,7 @@ from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
 from lightning_multids import sync
 from lightning_multids.config import load_config, validate_stage, zero3_init_config
+from lightning_multids.diagnostics import warn_gradient_readers
 from lightning_multids.engine_set import EngineSet, build_engines, build_evaluation_engines
 from lightning_multids.engines import check_engine_names, zero3_init
 from lightning_multids.precision import EnginePrecision
@@ -138,16 +139,21 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         assert module is not None
         check_engine_names(module, self.engine_overrides)
         if trainer.state.fn == TrainerFn.FITTING:
+            _check_clip_algorithm(trainer)
             self._engine_set = build_engines(
                 trainer,
                 module,
                 stage=self.stage,
-                default=self._default_config(trainer),
+                default=self.config,
                 overrides=self.engine_overrides,
                 precision=str(self.precision_plugin.precision),
                 device_type=self.root_device.type,
                 agree=self._agree_on_failure,
             )
+            if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
+                self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_overrides)
+            trainable = {o.name: self._engine_set.engines[o.name] for o in self._engine_set.optimizers}
+            warn_gradient_readers(module, trainable)
             self.optimizers = list[Optimizer](self._engine_set.optimizers)
             self.lr_scheduler_configs = self._engine_set.scheduler_configs
         else:
@@ -173,18 +179,6 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 f"MultiDeepSpeedStrategy: rank(s) {ranks} failed while setting up the engines (their output says why); "
                 f"rank {self.global_rank} stops too instead of waiting for them."
             )
-
-    def _default_config(self, trainer: pl.Trainer) -> dict[str, Any]:
-        clip = trainer.gradient_clip_val
-        if not clip:
-            return self.config
-        algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm or "norm"))
-        if algorithm != "norm":
-            raise ValueError(
-                f"`Trainer(gradient_clip_algorithm={algorithm!r})` is not available: DeepSpeed "
-                "clips by global norm. Use `gradient_clip_algorithm='norm'`."
-            )
-        return {"gradient_clipping": float(clip), **self.config}
 
     @override
     @contextmanager
@@ -417,4 +411,13 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             cls.strategy_name,
             cls,
             description="One DeepSpeed engine per submodule, with a manual multi-optimizer loop",
+        )
+
+
+def _check_clip_algorithm(trainer: pl.Trainer) -> None:
+    algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm or "norm"))
+    if trainer.gradient_clip_val and algorithm != "norm":
+        raise ValueError(
+            f"`Trainer(gradient_clip_algorithm={algorithm!r})` is not available: DeepSpeed "
+            "clips by global norm. Use `gradient_clip_algorithm='norm'`."
         )

@@ -1,8 +1,14 @@
+import warnings
+from types import SimpleNamespace
+
 import lightning.pytorch as pl
 import pytest
 
 from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids.diagnostics import warn_gradient_readers
+from lightning_multids.engine_set import EngineSet
 from lightning_multids.precision import EnginePrecision
+from lightning_multids.strategy import _check_clip_algorithm
 
 
 def test_selectable_by_name() -> None:
@@ -48,10 +54,46 @@ def test_value_clipping_is_refused() -> None:
         gradient_clip_algorithm="value",
     )
     with pytest.raises(ValueError, match=r"gradient_clip_algorithm='value'.*clips by global norm.*'norm'"):
-        strategy._default_config(trainer)
+        _check_clip_algorithm(trainer)
 
 
-def test_trainer_gradient_clip_val_becomes_the_engines_default() -> None:
-    strategy = MultiDeepSpeedStrategy(config={"zero_optimization": {"stage": 1}})
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, gradient_clip_val=0.7)
-    assert strategy._default_config(trainer)["gradient_clipping"] == 0.7
+def test_trainer_gradient_clip_val_clips_the_engines_that_set_none_in_manual_optimization() -> None:
+    """Lightning calls no ``configure_gradient_clipping`` in manual optimization: the engines clip themselves."""
+
+    def fake(name: str) -> SimpleNamespace:
+        engine = SimpleNamespace(
+            _config=SimpleNamespace(gradient_clipping=0.0), optimizer=SimpleNamespace(clip_grad=0.0)
+        )
+        return SimpleNamespace(name=name, engine=engine)
+
+    engines = EngineSet(optimizers=[fake("generator"), fake("discriminator")])  # type: ignore[list-item]
+    engines.clip_by_default(0.7, {}, {"discriminator": {"gradient_clipping": 2.0}})
+    clipping = {o.name: (o.engine._config.gradient_clipping, o.engine.optimizer.clip_grad) for o in engines.optimizers}
+    assert clipping == {"generator": (0.7, 0.7), "discriminator": (0.0, 0.0)}  # its config's own 2.0 was built in
+
+
+class _ReadsGradients(pl.LightningModule):
+    def on_before_optimizer_step(self, optimizer: object) -> None:
+        pass
+
+    def configure_gradient_clipping(self, optimizer: object, *args: object, **kwargs: object) -> None:
+        pass
+
+
+def _fake_engine(stage: int) -> SimpleNamespace:
+    return SimpleNamespace(zero_optimization_partition_gradients=lambda: stage >= 2)
+
+
+def test_hooks_that_read_param_grad_at_zero2_3_are_warned_about() -> None:
+    module = _ReadsGradients()
+    with pytest.warns(UserWarning, match=r"overrides `on_before_optimizer_step`.*\['d'\].*full_gradients"):
+        warn_gradient_readers(module, {"g": _fake_engine(1), "d": _fake_engine(3)})  # type: ignore[dict-item]
+    module.automatic_optimization = False
+    with pytest.warns(UserWarning, match=r"`configure_gradient_clipping`, which Lightning calls only in automatic"):
+        warn_gradient_readers(module, {"g": _fake_engine(1)})  # type: ignore[dict-item]
+
+
+def test_nothing_is_warned_about_for_lightning_own_hooks() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_gradient_readers(pl.LightningModule(), {"d": _fake_engine(3)})  # type: ignore[dict-item]
