@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_multids import backward as routing
 from lightning_multids.config import engine_config, frozen_config, merge
+from lightning_multids.data import per_process_batch_size, train_loaders
 from lightning_multids.discovery import reached_engines
 from lightning_multids.engines import (
     attach,
@@ -212,7 +213,9 @@ def build_engines(
     ``new_group``) would otherwise wait 30 minutes for a rank that failed.
     """
     with _agreed(agree):
-        micro = micro_batch_size(trainer)
+        loaders = train_loaders(trainer)
+        loader_batch = per_process_batch_size(loaders) if loaders is not None else None
+        micro = loader_batch or 1  # DeepSpeed's bookkeeping only: it never scales a gradient here
         configs = {
             name: engine_config(
                 name,
@@ -225,7 +228,6 @@ def build_engines(
             )
             for name in {*overrides, *(name for name, _ in module.named_children())}
         }
-        loader_batch = micro if trainer.fit_loop._data_source.is_defined() else None
         for name in configs:
             check_batch_settings(name, merge(default, overrides.get(name, {})), loader_batch, trainer.world_size)
     _unpartition_children(module, keep=lambda name: _stage(configs[name]) == 3)
@@ -366,20 +368,6 @@ def check_batch_settings(name: str, config: Mapping[str, Any], loader_batch: int
         f"{loader_batch} samples per process on {world_size} processes ({expected} here). Remove the setting (it is "
         "derived from the dataloader) or change the dataloader's batch size."
     )
-
-
-def micro_batch_size(trainer: pl.Trainer) -> int:
-    """The per-process batch size of the training dataloader, for DeepSpeed's bookkeeping; 1 if unknown.
-
-    DeepSpeed insists on ``train_micro_batch_size_per_gpu`` in every config, frozen engines included;
-    it never scales a gradient here. A value in a user's config wins.
-    """
-    source = trainer.fit_loop._data_source
-    if not source.is_defined():
-        return 1
-    loader = source.dataloader()
-    batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-    return int(batch_size) if batch_size else 1
 
 
 def collect_optimizers(
