@@ -263,7 +263,7 @@ def interrupted(
 
     for loss, failing, opt in ((d_loss, D, opt_d), (g_loss, G, opt_g)):
         with fails_midway(failing):
-            caught(lambda: backward(loss()))
+            caught(lambda: backward(loss()))  # noqa: B023 (called at once, inside the loop)
         opt_g.zero_grad()
         opt_d.zero_grad()
         backward(loss())
