@@ -229,8 +229,9 @@ def zero3_init_config(
     """The config for ``deepspeed.zero.Init`` in ``configure_model``, or None when no engine can be ZeRO-3.
 
     Each engine's stage is resolved as for its engine (``stage``, then ``config``, then its entry); a
-    submodule without an entry gets the default. Every ZeRO-3 candidate must agree on what ``zero.Init``
-    reads (dtype, ``offload_param``): one ``zero.Init`` builds every submodule of ``configure_model``.
+    submodule without an entry gets the default. The ZeRO-3 engines with an entry must agree on what
+    ``zero.Init`` reads (dtype, ``offload_param``): one ``zero.Init`` builds every submodule of
+    ``configure_model``. The default's config is used only when no entry is ZeRO-3.
 
     Raises:
         ValueError: two ZeRO-3 candidates disagree on one of those settings.
@@ -247,6 +248,8 @@ def zero3_init_config(
         },
     }
     zero3 = {who: config for who, config in candidates.items() if config["zero_optimization"].get("stage") == 3}
+    if len(zero3) > 1:  # the default serves only submodules without an entry, which may not exist: entries decide
+        zero3.pop("every engine without an entry", None)
     if not zero3:
         return None
     (first, chosen), *others = zero3.items()

@@ -141,6 +141,7 @@ def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:
     ``engine.destroy()`` removes DeepSpeed's ZeRO hooks (gradient hooks, ZeRO-3 gather/release hooks);
     the engine's forward hooks on the module are removed here. A ZeRO-3 submodule stays partitioned:
     ``deepspeed.zero.GatheredParameters`` reads it, and the next fit or evaluation builds an engine on it.
+    A whole submodule of a bf16/fp16 engine goes back to torch's default dtype.
     """
     for handle in handles:
         handle.remove()
@@ -153,6 +154,10 @@ def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:
             handle.remove()
     for param in engine.module.parameters():
         param.__dict__.pop("_z3_optimizer", None)
+    if _engine_dtype(engine) != torch.float32 and not is_partitioned(engine.module):
+        # Without the input cast, a bf16/fp16 module would fail on fp32 inputs outside fit. Back in fp32 it runs
+        # as under DDP with mixed precision; a ZeRO-3 one gets an engine (and its cast) again when evaluated.
+        engine.module.to(torch.get_default_dtype())
 
 
 def build_frozen_engine(module: nn.Module, config: dict[str, Any]) -> DeepSpeedEngine:

@@ -148,6 +148,7 @@ class EngineOptimizer(Optimizer):
             self.engine.step()
             applied = self.engine.skipped_steps == skipped
         except NonFiniteGradients:  # stage 0, fp32: raised before the torch optimizer changed anything
+            abandon_step(self.engine)  # raised inside engine.step(): end its boundary
             applied = False
         except BaseException:
             abandon_step(self.engine)

@@ -27,6 +27,7 @@ from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
 from lightning_multids import sync
 from lightning_multids.config import load_config, validate_stage, zero3_init_config
+from lightning_multids.data import forget_requested
 from lightning_multids.diagnostics import warn_gradient_readers
 from lightning_multids.engine_set import EngineSet, build_engines, build_evaluation_engines
 from lightning_multids.engines import check_engine_names, zero3_init
@@ -384,6 +385,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         the user's modules; ZeRO-3 ones stay partitioned (see :meth:`consolidated_state_dict`).
         """
         self._engine_set.release()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            forget_requested(self.lightning_module.trainer)
         super().teardown()
 
     @override

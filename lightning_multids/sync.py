@@ -122,6 +122,7 @@ def full_gradients(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         grads = {name: safe_get_full_grad(param) for name, param in params.items()}
     elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.partition_gradients:
+        _refuse_unexposed_fragments(optimizer)
         with _reduced_fragments_exposed(optimizer):
             grads = {name: safe_get_full_grad(param) for name, param in params.items()}
     else:
@@ -144,6 +145,17 @@ def _local_gradient(param: torch.nn.Parameter) -> torch.Tensor:
     if grad is None:
         grad = getattr(param, "_hp_grad", None)  # bf16 at stage 0: BF16_Optimizer accumulates in fp32 beside it
     return torch.zeros_like(param, dtype=torch.float32) if grad is None else grad.detach().float().clone()
+
+
+def _refuse_unexposed_fragments(optimizer: DeepSpeedZeroOptimizer) -> None:
+    """ZeRO-2 keeps no accumulated fragments to expose with an offloaded optimizer or an fp32 accumulator."""
+    compact = any(optimizer._use_compact_grad_partition_buffer(i) for i in range(len(optimizer.bit16_groups)))
+    if optimizer.cpu_offload or compact:
+        setting = "`zero_optimization.offload_optimizer`" if optimizer.cpu_offload else "`data_types.grad_accum_dtype`"
+        raise NotImplementedError(
+            f"`full_gradients` cannot read a ZeRO-2 engine with {setting} set: DeepSpeed keeps its reduced "
+            "gradients elsewhere until `step()`. Remove the setting, or use ZeRO-1 or ZeRO-3 for this engine."
+        )
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Per-rank script: ``strategy.full_gradients(name)`` between backward and step, at one ZeRO stage and precision.
 
-Usage: run_gradients.py OUT STAGE PRECISION
+Usage: run_gradients.py OUT STAGE PRECISION [CONFIG_JSON]
 
 The ``shared`` pattern's first backward (one loss over both engines, so the discriminator's gradients come
 from two uses); rank 0 saves what ``full_gradients`` gives for each engine, and its unknown-name error.
@@ -8,6 +8,7 @@ from two uses); rank 0 saves what ``full_gradients`` gives for each engine, and 
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 from typing import Any
@@ -36,7 +37,10 @@ class Reader(pl.LightningModule):
         if batch_idx == 0:
             strategy = self.trainer.strategy
             for name in ("generator", "discriminator"):
-                self.read.update({f"{name}.{k}": v.clone() for k, v in strategy.full_gradients(name).items()})
+                try:
+                    self.read.update({f"{name}.{k}": v.clone() for k, v in strategy.full_gradients(name).items()})
+                except NotImplementedError as error:
+                    self.read["refused"] = str(error)
             try:
                 strategy.full_gradients("critic")
             except ValueError as error:
@@ -54,10 +58,10 @@ class Reader(pl.LightningModule):
 
 
 def main() -> None:
-    out, stage, precision = sys.argv[1:]
+    out, stage, precision, *config = sys.argv[1:]
     module = Reader()
     trainer = cpu_trainer(
-        MultiDeepSpeedStrategy(stage=int(stage)),
+        MultiDeepSpeedStrategy(stage=int(stage), config=json.loads(config[0]) if config else None),
         precision=precision,
         enable_checkpointing=False,
         use_distributed_sampler=False,

@@ -107,6 +107,14 @@ def main() -> None:
     results["test"] = leftovers(module)
     results["test_inputs"] = torch.cat(module.test_inputs)
     results["test_outputs"] = torch.cat(module.test_outputs)
+    # bf16: whole submodules go back to fp32 at teardown (no input cast any more); ZeRO-3 ones get engines again
+    half = Lifecycle()
+    cpu_trainer(strategy(2), precision="bf16-mixed", enable_checkpointing=False, use_distributed_sampler=False).fit(
+        half
+    )
+    results["bf16_generator_dtype"] = str(next(half.generator.parameters()).dtype)
+    cpu_trainer(strategy(2), precision="bf16-mixed", use_distributed_sampler=False).test(half)
+    results["bf16_test_outputs"] = torch.cat(half.test_outputs)
     if trainer.global_rank == 0:
         torch.save(results, out)
 

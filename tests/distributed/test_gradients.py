@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,11 @@ def test_full_gradients_match_pytorch(tmp_path: Path, stage: int, precision: str
         diff = (read[key] - grad).abs().max().item()
         assert diff <= TOLERANCES[precision] * max(1.0, grad.abs().max().item()), f"{key}: {diff:.2e}"
     assert "no trainable engine 'critic'" in read["error"]
+
+
+def test_full_gradients_refuses_zero2_with_an_fp32_accumulator(tmp_path: Path) -> None:
+    """DeepSpeed keeps those reduced gradients where no fragment can be read before ``step()``: a clear error."""
+    out = tmp_path / "grads.pt"
+    config = json.dumps({"data_types": {"grad_accum_dtype": "fp32"}})
+    run_ranks(RUNNER, str(out), "2", "bf16-mixed", config, timeout=300)
+    assert "`data_types.grad_accum_dtype` set" in torch.load(out)["refused"]

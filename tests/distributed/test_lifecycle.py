@@ -51,3 +51,10 @@ def test_saving_after_fit_is_refused_with_the_fix(results: dict) -> None:
     """The engines that write each part of a checkpoint are gone after fit: say where to save instead."""
     assert "ModelCheckpoint" in results["save_after_fit"]
     assert "on_train_end" in results["save_after_fit"]
+
+
+def test_test_after_a_bf16_fit_runs(results: dict) -> None:
+    """The bf16 engines' whole submodules lose their input cast at teardown: they go back to fp32 instead."""
+    assert results["bf16_generator_dtype"] == "torch.float32"
+    outputs = results["bf16_test_outputs"]
+    assert outputs.shape == results["test_outputs"].shape and torch.isfinite(outputs).all()

@@ -167,3 +167,10 @@ def test_zero3_engines_that_disagree_on_what_zero_init_reads_are_refused() -> No
         ValueError, match=r"`zero_optimization.offload_param`.*build the ones that differ in `__init__`"
     ):
         zero3_init_config(2, {}, overrides, "32-true")
+
+
+def test_zero3_engines_that_agree_are_not_held_to_the_default() -> None:
+    """Every ZeRO-3 entry offloads; the default does not, but may serve no submodule at all."""
+    offload = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    config = zero3_init_config(3, {}, {"actor": offload, "ref": offload}, "32-true")
+    assert config is not None and config["zero_optimization"]["offload_param"] == {"device": "cpu"}
