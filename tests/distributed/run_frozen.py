@@ -82,6 +82,7 @@ def main() -> None:
             lambda s: {
                 "engines": sorted(s.engines),
                 "frozen_has_optimizer_state": bool(getattr(s.engines["frozen"], "basic_optimizer", None)),
+                "dtype": str(next(s.lightning_module.trained.parameters()).dtype),  # fp32 again after teardown
             }
         )
         trainer = cpu_trainer(
@@ -102,7 +103,6 @@ def main() -> None:
             "frozen_requires_grad": any(p.requires_grad for p in module.frozen.parameters()),
             "optimizers": [opt.name for opt in strategy.optimizers],
             **engines_at_end.value,
-            "dtype": str(next(module.trained.parameters()).dtype),
             "built_partitioned": getattr(module, "built_partitioned", None),
             "trained_partitioned": any(hasattr(p, "ds_id") for p in module.trained.parameters()),
         }

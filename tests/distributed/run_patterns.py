@@ -129,6 +129,7 @@ def main() -> None:
             lambda s: {
                 "engines": {name: backward_state(e) for name, e in s.engines.items()},
                 "loss_scales": {name: float(getattr(e.optimizer, "loss_scale", 0.0)) for name, e in s.engines.items()},
+                "dtype": str(next(s.lightning_module.generator.parameters()).dtype),  # fp32 again after teardown
             }
         )
         trainer = cpu_trainer(
@@ -147,7 +148,6 @@ def main() -> None:
             "weights": {k: v.float().clone() for k, v in state.items()},
             **engines_at_end.value,
             "automatic": module.automatic_optimization,
-            "dtype": str(next(module.generator.parameters()).dtype),
             "lr": [group["lr"] for opt in strategy.optimizers for group in opt.param_groups],
             "device": device,
             "ds_accelerator": get_accelerator().device_name(),
