@@ -38,7 +38,7 @@ from lightning_multids.engines import (
     unpartition,
 )
 from lightning_multids.optimizer import EngineOptimizer, EngineScheduler
-from lightning_multids.sync import is_deferred, set_gradient_clipping
+from lightning_multids.sync import full_gradients, is_deferred, set_gradient_clipping
 
 
 @dataclass
@@ -98,6 +98,26 @@ class EngineSet:
         self.handles.clear()
         self.owners.clear()
 
+    @property
+    def trainable_engines(self) -> dict[str, DeepSpeedEngine]:
+        """The live trainable engines by name, in optimizer order (none after :meth:`release`)."""
+        return {o.name: self.engines[o.name] for o in self.optimizers if o.name in self.engines}
+
+    def clear_gradients(self) -> None:
+        """Clear every trainable engine's gradients, as ``opt.zero_grad()`` on each would."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def full_gradients(self, name: str) -> dict[str, torch.Tensor]:
+        """Engine ``name``'s whole gradients, averaged over ranks: :func:`lightning_multids.sync.full_gradients`."""
+        trainable = self.trainable_engines
+        if name not in trainable:
+            raise ValueError(
+                f"`full_gradients({name!r})`: there is no trainable engine {name!r} now. Trainable engines exist "
+                f"during fit: {sorted(o.name for o in self.optimizers)}."
+            )
+        return full_gradients(trainable[name], name)
+
     def frozen_names(self) -> set[str]:
         """The names of the frozen (optimizer-less) engines."""
         return set(self.engines) - {optimizer.name for optimizer in self.optimizers}
@@ -113,7 +133,7 @@ class EngineSet:
         reach = reached_engines(loss, self.owners)
         if not reach.names and not reach.hidden:
             self._refuse_untrained()
-        trainable = {optimizer.name: self.engines[optimizer.name] for optimizer in self.optimizers}
+        trainable = self.trainable_engines
         # fp16 engines: each sees its own loss scale; behind a hidden part any engine may be reached
         scaled = trainable if reach.hidden else {name: trainable[name] for name in reach.names}
         scale, factors = routing.loss_scaling(scaled)

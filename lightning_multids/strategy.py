@@ -153,8 +153,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             )
             if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
                 self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_overrides)
-            trainable = {o.name: self._engine_set.engines[o.name] for o in self._engine_set.optimizers}
-            warn_gradient_readers(module, trainable)
+            warn_gradient_readers(module, self._engine_set.trainable_engines)
             self.optimizers = list[Optimizer](self._engine_set.optimizers)
             self.lr_scheduler_configs = self._engine_set.scheduler_configs
         else:
@@ -247,13 +246,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
         Keys are parameter names within the submodule; values are fp32 tensors (fp16 loss scaling undone).
         """
-        engines = {optimizer.name: optimizer.engine for optimizer in self._engine_set.optimizers}
-        if name not in engines or engines[name] is None:
-            raise ValueError(
-                f"`full_gradients({name!r})`: there is no trainable engine {name!r} now. Trainable engines exist "
-                f"during fit: {sorted(engines)}."
-            )
-        return sync.full_gradients(engines[name])
+        return self._engine_set.full_gradients(name)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -278,8 +271,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             return
         default_hook = type(module).on_validation_model_zero_grad is pl.LightningModule.on_validation_model_zero_grad
         if default_hook and not trainer.fit_loop.epoch_loop._should_accumulate():
-            for optimizer in self._engine_set.optimizers:
-                optimizer.zero_grad()
+            self._engine_set.clear_gradients()
 
     @override
     def optimizer_step(
@@ -324,7 +316,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("MultiDeepSpeedStrategy writes checkpoints itself: `storage_options` is not used.")
         assert self.lightning_module is not None
-        if not self._engine_set.engines or not self._engine_set.optimizers:
+        if not self._engine_set.trainable_engines:
             raise RuntimeError(
                 "MultiDeepSpeedStrategy saves checkpoints while it fits: each engine writes its own part, and the "
                 "engines are released when `fit` ends. Save with a `ModelCheckpoint` callback (`save_last=True` "
@@ -350,8 +342,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         saved = lightning[checkpoints.FORMAT_KEY]
         module = self.lightning_module
         assert module is not None
-        if self._engine_set.optimizers:  # fitting: every state, into the engines
-            trainable = {o.name: self._engine_set.engines[o.name] for o in self._engine_set.optimizers}
+        trainable = self._engine_set.trainable_engines
+        if trainable:  # fitting: every state, into the engines
             check_names = {n: saved["engines"][n] for n in saved["engines"] if n not in saved["frozen"]}
             checkpoints.check_engines({"engines": check_names}, trainable, path)
             engines = {n: e for n, e in self._engine_set.engines.items() if n in saved["engines"]}

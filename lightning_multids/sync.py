@@ -105,7 +105,7 @@ def _clear_zero_1_2(optimizer: DeepSpeedZeroOptimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def full_gradients(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
+def full_gradients(engine: DeepSpeedEngine, name: str) -> dict[str, torch.Tensor]:
     """Each trainable parameter's gradient, whole and averaged over the ranks, between a backward and ``step()``.
 
     What one process of plain PyTorch on the global batch holds in ``param.grad`` (before the optimizer's
@@ -122,7 +122,7 @@ def full_gradients(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         grads = {name: safe_get_full_grad(param) for name, param in params.items()}
     elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.partition_gradients:
-        _refuse_unexposed_fragments(optimizer)
+        _refuse_unexposed_fragments(optimizer, name)
         with _reduced_fragments_exposed(optimizer):
             grads = {name: safe_get_full_grad(param) for name, param in params.items()}
     else:
@@ -147,14 +147,15 @@ def _local_gradient(param: torch.nn.Parameter) -> torch.Tensor:
     return torch.zeros_like(param, dtype=torch.float32) if grad is None else grad.detach().float().clone()
 
 
-def _refuse_unexposed_fragments(optimizer: DeepSpeedZeroOptimizer) -> None:
+def _refuse_unexposed_fragments(optimizer: DeepSpeedZeroOptimizer, name: str) -> None:
     """ZeRO-2 keeps no accumulated fragments to expose with an offloaded optimizer or an fp32 accumulator."""
     compact = any(optimizer._use_compact_grad_partition_buffer(i) for i in range(len(optimizer.bit16_groups)))
     if optimizer.cpu_offload or compact:
         setting = "`zero_optimization.offload_optimizer`" if optimizer.cpu_offload else "`data_types.grad_accum_dtype`"
         raise NotImplementedError(
-            f"`full_gradients` cannot read a ZeRO-2 engine with {setting} set: DeepSpeed keeps its reduced "
-            "gradients elsewhere until `step()`. Remove the setting, or use ZeRO-1 or ZeRO-3 for this engine."
+            f"`full_gradients({name!r})` cannot read the ZeRO-2 engine {name!r} with {setting} set: DeepSpeed keeps "
+            "its reduced gradients elsewhere until `step()`. Remove the setting from that engine's config, or use "
+            "ZeRO-1 or ZeRO-3 for it."
         )
 
 

@@ -42,4 +42,7 @@ def test_full_gradients_refuses_zero2_with_an_fp32_accumulator(tmp_path: Path) -
     out = tmp_path / "grads.pt"
     config = json.dumps({"data_types": {"grad_accum_dtype": "fp32"}})
     run_ranks(RUNNER, str(out), "2", "bf16-mixed", config, timeout=300)
-    assert "`data_types.grad_accum_dtype` set" in torch.load(out)["refused"]
+    refused = torch.load(out)["refused"]
+    assert (
+        "engine 'discriminator' with `data_types.grad_accum_dtype` set" in refused and "Remove the setting" in refused
+    )
