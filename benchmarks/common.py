@@ -12,7 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_multids.diagnostics import ReductionCounter
+from lightning_multids.utilities import ReductionCounter
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

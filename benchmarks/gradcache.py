@@ -8,7 +8,7 @@ The model is the dual encoder of ``examples/contrastive.py`` made wider; one ste
 process in K chunks. For each K it alternates deferred (``no_sync``) and per-chunk sync fits, ``--rounds``
 times each, in this one launch; a fit times ``--steps`` steps after ``--warmup`` untimed ones. Reported:
 median step time of each, the median of the per-round ratios deferred/per-chunk (min-max), and the
-reductions each engine made per step, counted with :class:`lightning_multids.diagnostics.ReductionCounter`.
+reductions each engine made per step, counted with :class:`lightning_multids.utilities.ReductionCounter`.
 """
 
 from __future__ import annotations

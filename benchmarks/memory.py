@@ -201,7 +201,7 @@ def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, lean: boo
     module = BigTeacherDistill(teacher_hidden, teacher_layers)
     strategy = MultiDeepSpeedStrategy(
         stage=2,
-        engines={"teacher": {"zero_optimization": {"stage": teacher_stage, **(LEAN_ZERO3 if lean else {})}}},
+        engine_configs={"teacher": {"zero_optimization": {"stage": teacher_stage, **(LEAN_ZERO3 if lean else {})}}},
     )
     trainer = pl.Trainer(
         accelerator="cpu",

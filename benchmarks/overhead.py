@@ -174,7 +174,7 @@ def run_strategy(run: Run, data: list[tuple[torch.Tensor, torch.Tensor]], warmup
         accelerator="gpu" if run.device == "cuda" else "cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        strategy=MultiDeepSpeedStrategy(stage=run.stage, engines=engines),
+        strategy=MultiDeepSpeedStrategy(stage=run.stage, engine_configs=engines),
         precision=run.precision,
         max_epochs=1,
         **BARE,

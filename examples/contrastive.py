@@ -8,7 +8,7 @@ Two "modalities" of each digit: the image (64 pixels, with noise added as augmen
 projection profile (the 8 row sums and 8 column sums of the clean image, as a sensor might read it). An
 image encoder (ZeRO-2) and a profile encoder (ZeRO-3), one engine each, learn a shared embedding in which
 an image lies closest to its own profile. The loss is symmetric InfoNCE over every rank's examples, the
-gradients come from :func:`~lightning_multids.gradcache.grad_cache` in chunks far smaller than the batch,
+gradients come from :func:`~lightning_multids.utilities.gradcache.grad_cache` in chunks far smaller than the batch,
 and each engine reduces its gradients once per step. Validation logs recall@1 (torchmetrics): how often an
 image's nearest profile, among the validation batch's, is its own.
 """
@@ -22,7 +22,7 @@ from torch import nn
 from torchmetrics.retrieval import RetrievalRecall
 
 from examples.digits import IMAGE
-from lightning_multids.gradcache import grad_cache, info_nce
+from lightning_multids.utilities.gradcache import grad_cache, info_nce
 
 PROFILE = 16
 

@@ -27,8 +27,11 @@ from typing import Any
 import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from torch import nn
+
+from lightning_multids.internals import stage0_weights
 
 FORMAT_KEY = "multids"
 LIGHTNING_FILE = "lightning.pt"
@@ -127,7 +130,7 @@ def check_engines(saved: Mapping[str, Any], engines: Mapping[str, DeepSpeedEngin
     if expected != found:
         raise ValueError(
             f"The checkpoint {str(path)!r} holds the engines {found}, but this module trains {expected}. Resume "
-            "with the LightningModule and `engines` it was saved with, or load only the weights with `export`."
+            "with the LightningModule and `engine_configs` it was saved with, or load only the weights with `export`."
         )
 
 
@@ -155,8 +158,7 @@ def consolidated_state_dicts(path: str | Path) -> dict[str, dict[str, torch.Tens
     for name, info in lightning[FORMAT_KEY]["engines"].items():
         engine_dir = path / ENGINE_DIR / name
         if info["stage"] == 0:
-            model_states = torch.load(engine_dir / TAG / "mp_rank_00_model_states.pt", weights_only=False)
-            state = model_states["module"]
+            state = stage0_weights(engine_dir, TAG)
         else:
             state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=TAG)
         result[name] = {key: value.float() if value.is_floating_point() else value for key, value in state.items()}
@@ -169,7 +171,7 @@ def load_weights(module: nn.Module, state: Mapping[str, torch.Tensor], *, strict
 
     The partitions are gathered, loaded on every rank, and rank 0's result is partitioned again.
     """
-    partitioned = [param for param in module.parameters() if hasattr(param, "ds_id")]
+    partitioned = [param for param in module.parameters() if is_zero_param(param)]
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0, enabled=bool(partitioned)):
         module.load_state_dict(state, strict=strict)
 

@@ -5,7 +5,7 @@ Each engine's config is built in three layers, later ones winning key by key:
 1. :func:`base_config`: the settings that make DeepSpeed behave like plain PyTorch under Lightning
    (no gradient clipping unless asked, accumulation owned by the training loop, any torch optimizer);
 2. the strategy's ``config`` (the default for every engine) and its ``stage``;
-3. the engine's entry in ``engines``.
+3. the engine's entry in ``engine_configs``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Which trainable engines a loss reaches, read off its autograd graph before the backward runs.
+"""Discovery: which submodule each optimizer trains (at setup), and which engines a loss reaches (per backward).
+
+Engines are found from the optimizers of ``configure_optimizers``: each trains the direct child of the
+LightningModule that holds its parameters (:func:`match_optimizers`). A loss reaches the engines whose
+parameters its autograd graph holds, read off the graph before the backward runs (:func:`reached_engines`).
 
 The walk holds every node it visits (``seen`` is a set of the node objects themselves). Python's
 view of an autograd node is a wrapper made when ``grad_fn``/``next_functions`` is read and freed
@@ -10,32 +14,24 @@ Holding them makes every identity check a check on a live object.
 A reentrant activation checkpoint (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``,
 DeepSpeed's ``checkpointing.checkpoint``) runs its forward without recording a graph; the parameters
 inside it appear only when its backward recomputes the forward. The walk cannot see them, so it
-says that the graph holds such a node (``Reach.hidden``); :mod:`lightning_multids.backward` then
+says that the graph holds such a node (``Reach.hidden``); :mod:`lightning_multids.routing` then
 also enters, during the backward, any engine whose gradients arrive without having been found.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch import nn
+from torch.optim import Optimizer
 
+from lightning_multids import internals
 
-def _reentrant_checkpoint_functions() -> tuple[type, ...]:
-    functions: list[type] = [torch.utils.checkpoint.CheckpointFunction]
-    try:  # DeepSpeed's activation checkpointing (deepspeed 0.19.8: runtime/activation_checkpointing/checkpointing.py)
-        from deepspeed.runtime.activation_checkpointing.checkpointing import CheckpointFunction
-    except ImportError:  # pragma: no cover - a DeepSpeed without it has no such nodes to find
-        pass
-    else:
-        functions.append(CheckpointFunction)
-    return tuple(functions)
-
-
-_REENTRANT = _reentrant_checkpoint_functions()
+_REENTRANT = (torch.utils.checkpoint.CheckpointFunction, *internals.reentrant_checkpoint_functions())
 
 
 @dataclass(frozen=True)
@@ -84,3 +80,83 @@ def reached_engines(loss: torch.Tensor, owners: Mapping[int, str]) -> Reach:
                 seen.add(child)
                 stack.append(child)
     return Reach(frozenset(found), hidden)
+
+
+def parameter_owners(module: nn.Module) -> dict[int, str]:
+    """Map ``id(parameter)`` to the name of the direct child of ``module`` that holds it.
+
+    Parameters held by ``module`` itself (not by a child) are left out.
+    """
+    owners: dict[int, str] = {}
+    for name, child in module.named_children():
+        for param in child.parameters():
+            owners.setdefault(id(param), name)
+    return owners
+
+
+def match_optimizers(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, int]:
+    """Return ``submodule name -> index of its optimizer`` for the optimizers of ``module``.
+
+    Raises:
+        ValueError: an optimizer holds parameters of several submodules, or of the LightningModule
+            itself; a parameter is in two optimizers; two optimizers train one submodule.
+    """
+    owners = parameter_owners(module)
+    seen: dict[int, int] = {}
+    matched: dict[str, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        names: dict[str, None] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in seen and seen[id(param)] != index:
+                    raise ValueError(
+                        f"A parameter of {owners.get(id(param), 'the LightningModule')!r} is in optimizer "
+                        f"{seen[id(param)]} and optimizer {index}. Each parameter can be trained by one "
+                        "optimizer only: remove it from one of them in `configure_optimizers`."
+                    )
+                seen[id(param)] = index
+                names.setdefault(_owner_of(param, owners, index))
+        matched.update(_one_submodule(names, index, matched))
+    return matched
+
+
+def _owner_of(param: torch.Tensor, owners: Mapping[int, str], index: int) -> str:
+    owner = owners.get(id(param))
+    if owner is None:
+        raise ValueError(
+            f"Optimizer {index} holds a parameter that belongs to the LightningModule itself, not to a "
+            "submodule. MultiDeepSpeedStrategy builds one engine per submodule: move the parameter into a "
+            "submodule (e.g. an `nn.Module` attribute) and optimize that."
+        )
+    return owner
+
+
+def _one_submodule(names: Mapping[str, None], index: int, matched: Mapping[str, int]) -> dict[str, int]:
+    if not names:
+        raise ValueError(f"Optimizer {index} holds no parameters. Give it the parameters of one submodule.")
+    if len(names) > 1:
+        listed = " and ".join(repr(n) for n in names)
+        raise ValueError(
+            f"Optimizer {index} holds parameters of {listed}. MultiDeepSpeedStrategy gives each submodule its "
+            "own DeepSpeed engine and optimizer: return one optimizer per submodule from "
+            "`configure_optimizers`, or put the parts in one parent submodule."
+        )
+    (name,) = names
+    if name in matched:
+        raise ValueError(
+            f"Optimizers {matched[name]} and {index} both train {name!r}. A DeepSpeed engine has one "
+            "optimizer: use one optimizer with several parameter groups for this submodule."
+        )
+    return {name: index}
+
+
+def check_engine_names(module: nn.Module, names: Iterable[str]) -> None:
+    """Raise a ValueError for an ``engine_configs`` key that is not a direct submodule of ``module``."""
+    children = dict(module.named_children())
+    for name in names:
+        if name not in children:
+            available = ", ".join(repr(c) for c in children) or "none"
+            raise ValueError(
+                f"`engine_configs` has an entry for {name!r}, but {type(module).__name__} has no submodule of that "
+                f"name. Submodules: {available}. Key each entry by the attribute name of a submodule."
+            )

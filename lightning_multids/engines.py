@@ -1,244 +1,195 @@
-"""Find which submodule each optimizer trains and build one DeepSpeed engine per submodule.
+"""The engines of one fit, and what the strategy asks of them between setup and teardown.
 
-An engine is keyed by the attribute name of its submodule on the LightningModule (``"generator"``).
-The submodule stays where it is: ``self.generator`` is still the user's module, with all its
-methods and attributes, and ``engine.module is self.generator``. DeepSpeed converts it in place
-(device, dtype, ZeRO-3 partitioning, ZeRO-3 gather/release hooks); :func:`attach` adds one
-forward pre-hook that casts floating-point inputs to the engine's dtype (bf16/fp16 engines), and
-:func:`detach` removes everything again at teardown.
+:mod:`lightning_multids.lifecycle` builds an :class:`EngineSet` at setup and releases it at teardown; in
+between, the strategy's hooks call it: a backward (:meth:`EngineSet.backward`), ``no_sync``, clearing,
+``full_gradients``, and the checks Lightning's loop needs.
 """
 
 from __future__ import annotations
 
-import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch import nn
+from deepspeed.runtime.zero.utils import is_zero_param
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-
-def parameter_owners(module: nn.Module) -> dict[int, str]:
-    """Map ``id(parameter)`` to the name of the direct child of ``module`` that holds it.
-
-    Parameters held by ``module`` itself (not by a child) are left out.
-    """
-    owners: dict[int, str] = {}
-    for name, child in module.named_children():
-        for param in child.parameters():
-            owners.setdefault(id(param), name)
-    return owners
+from lightning_multids import internals
+from lightning_multids.config import merge
+from lightning_multids.discovery import reached_engines
+from lightning_multids.gradients import full_gradients
+from lightning_multids.optimizer import EngineOptimizer
+from lightning_multids.precision import gradients_rescaled, loss_scaling
+from lightning_multids.routing import Router
 
 
-def match_optimizers(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, int]:
-    """Return ``submodule name -> index of its optimizer`` for the optimizers of ``module``.
+@dataclass
+class EngineSet:
+    """The engines of a LightningModule, the optimizers Lightning sees for them, and their bookkeeping."""
 
-    Raises:
-        ValueError: an optimizer holds parameters of several submodules, or of the LightningModule
-            itself; a parameter is in two optimizers; two optimizers train one submodule.
-    """
-    owners = parameter_owners(module)
-    seen: dict[int, int] = {}
-    matched: dict[str, int] = {}
-    for index, optimizer in enumerate(optimizers):
-        names: dict[str, None] = {}
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if id(param) in seen and seen[id(param)] != index:
-                    raise ValueError(
-                        f"A parameter of {owners.get(id(param), 'the LightningModule')!r} is in optimizer "
-                        f"{seen[id(param)]} and optimizer {index}. Each parameter can be trained by one "
-                        "optimizer only: remove it from one of them in `configure_optimizers`."
-                    )
-                seen[id(param)] = index
-                names.setdefault(_owner_of(param, owners, index))
-        matched.update(_one_submodule(names, index, matched))
-    return matched
+    engines: dict[str, DeepSpeedEngine] = field(default_factory=dict)
+    optimizers: list[EngineOptimizer] = field(default_factory=list)
+    scheduler_configs: list[LRSchedulerConfig] = field(default_factory=list)
+    owners: dict[int, str] = field(default_factory=dict)
+    """``id(parameter) -> engine name`` for the parameters of every trainable engine."""
+    backward_calls: int = 0
+    switched_to_manual: bool = False
+    """Whether the strategy, not the user, put the module in manual optimization (several trainable engines)."""
+    handles: dict[str, list[RemovableHandle]] = field(default_factory=dict)
+    """The hooks registered for each engine at setup, removed at teardown."""
+    router: Router = field(default_factory=Router)
+    """Routes each backward through the trainable engines it reaches."""
 
+    def add(self, name: str, engine: DeepSpeedEngine, handles: list[RemovableHandle]) -> None:
+        """Record an engine and the hooks registered for it; a frozen (inference) engine needs nothing more."""
+        self.engines[name] = engine
+        self.handles[name] = handles
 
-def _owner_of(param: torch.Tensor, owners: Mapping[int, str], index: int) -> str:
-    owner = owners.get(id(param))
-    if owner is None:
-        raise ValueError(
-            f"Optimizer {index} holds a parameter that belongs to the LightningModule itself, not to a "
-            "submodule. MultiDeepSpeedStrategy builds one engine per submodule: move the parameter into a "
-            "submodule (e.g. an `nn.Module` attribute) and optimize that."
-        )
-    return owner
+    def add_trainable(
+        self,
+        name: str,
+        engine: DeepSpeedEngine,
+        optimizer: Optimizer,
+        params: list[list[torch.nn.Parameter]],
+        handles: list[RemovableHandle],
+    ) -> None:
+        """Record a trainable engine, its optimizer for Lightning, and the parameters a backward can reach."""
+        self.add(name, engine, handles)
+        self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
+        self.owners.update({id(p): name for p in engine.module.parameters()})
 
+    def forget(self) -> None:
+        """Drop every engine, hook handle and parameter owner (after ``lifecycle.release_engines``)."""
+        self.engines.clear()
+        self.handles.clear()
+        self.owners.clear()
 
-def _one_submodule(names: Mapping[str, None], index: int, matched: Mapping[str, int]) -> dict[str, int]:
-    if not names:
-        raise ValueError(f"Optimizer {index} holds no parameters. Give it the parameters of one submodule.")
-    if len(names) > 1:
-        listed = " and ".join(repr(n) for n in names)
-        raise ValueError(
-            f"Optimizer {index} holds parameters of {listed}. MultiDeepSpeedStrategy gives each submodule its "
-            "own DeepSpeed engine and optimizer: return one optimizer per submodule from "
-            "`configure_optimizers`, or put the parts in one parent submodule."
-        )
-    (name,) = names
-    if name in matched:
-        raise ValueError(
-            f"Optimizers {matched[name]} and {index} both train {name!r}. A DeepSpeed engine has one "
-            "optimizer: use one optimizer with several parameter groups for this submodule."
-        )
-    return {name: index}
+    def clip_by_default(
+        self, clip: float | None, default: Mapping[str, Any], overrides: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        """Clip with ``Trainer(gradient_clip_val=clip)`` every trainable engine whose config sets no clipping.
 
+        For manual optimization: Lightning then never calls ``configure_gradient_clipping``, so the engines
+        clip in every ``step()`` themselves. (In automatic optimization Lightning's hook clips per step.)
+        """
+        if not clip:
+            return
+        for optimizer in self.optimizers:
+            if "gradient_clipping" not in merge(default, overrides.get(optimizer.name, {})):
+                internals.set_gradient_clipping(optimizer.engine, float(clip))
 
-def check_engine_names(module: nn.Module, names: Iterable[str]) -> None:
-    """Raise a ValueError for an ``engines`` key that is not a direct submodule of ``module``."""
-    children = dict(module.named_children())
-    for name in names:
-        if name not in children:
-            available = ", ".join(repr(c) for c in children) or "none"
+    @property
+    def trainable_engines(self) -> dict[str, DeepSpeedEngine]:
+        """The live trainable engines by name, in optimizer order (none after :meth:`release`)."""
+        return {o.name: self.engines[o.name] for o in self.optimizers if o.name in self.engines}
+
+    def clear_gradients(self) -> None:
+        """Clear every trainable engine's gradients, as ``opt.zero_grad()`` on each would."""
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def full_gradients(self, name: str) -> dict[str, torch.Tensor]:
+        """Engine ``name``'s whole gradients, averaged over ranks (``gradients.full_gradients``)."""
+        trainable = self.trainable_engines
+        if name not in trainable:
             raise ValueError(
-                f"`engines` has an entry for {name!r}, but {type(module).__name__} has no submodule of that "
-                f"name. Submodules: {available}. Key each entry by the attribute name of a submodule."
+                f"`full_gradients({name!r})`: there is no trainable engine {name!r} now. Trainable engines exist "
+                f"during fit: {sorted(o.name for o in self.optimizers)}."
+            )
+        return full_gradients(trainable[name], name)
+
+    def frozen_names(self) -> set[str]:
+        """The names of the frozen (optimizer-less) engines."""
+        return set(self.engines) - {optimizer.name for optimizer in self.optimizers}
+
+    @contextmanager
+    def backward(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Route the body's backward of the yielded (loss-scaled) tensor through every engine ``loss`` reaches.
+
+        Raises if ``loss`` reaches no trainable engine (it would train nothing): before the backward when
+        the graph shows everything, after it when a reentrant checkpoint hid part of the graph. An exception
+        in the backward leaves the engines it reached clean, without their gradients of this step.
+        """
+        reach = reached_engines(loss, self.owners)
+        if not reach.names and not reach.hidden:
+            self._refuse_untrained()
+        trainable = self.trainable_engines
+        # fp16 engines: each sees its own loss scale; behind a hidden part any engine may be reached
+        scaled = trainable if reach.hidden else {name: trainable[name] for name in reach.names}
+        scale, factors = loss_scaling(scaled)
+        with self.router.routed(loss, trainable, reach) as route, gradients_rescaled(scaled, factors):
+            try:
+                yield loss * scale if scale != 1.0 else loss
+            except BaseException:
+                self._mark_gradients(route.entered, False)  # routed() drops them
+                raise
+        if not route.entered:
+            self._refuse_untrained()
+        self.backward_calls += 1
+        self._mark_gradients(route.entered, True)
+
+    def _mark_gradients(self, names: Collection[str], present: bool) -> None:
+        for optimizer in self.optimizers:
+            if optimizer.name in names:
+                optimizer.has_gradients = present
+
+    def _refuse_untrained(self) -> None:
+        trainable = ", ".join(repr(o.name) for o in self.optimizers)
+        raise ValueError(
+            f"`manual_backward` got a loss that reaches no trainable engine ({trainable}): it would train "
+            "nothing. Compute the loss from the outputs of those submodules without `.detach()` or "
+            "`torch.no_grad()`, and check that `toggle_optimizer` has not turned off the gradients of the engine "
+            "you mean to train."
+        )
+
+    def trainable(self, names: tuple[str, ...], *, what: str) -> dict[str, DeepSpeedEngine]:
+        """The trainable engines called ``names`` (all of them when empty); ``what`` names the caller in errors."""
+        trainable = [optimizer.name for optimizer in self.optimizers]
+        if not trainable:
+            raise RuntimeError(f"`{what}` needs the engines, which exist only during `Trainer.fit`.")
+        unknown = [name for name in names if name not in trainable]
+        if unknown:
+            frozen = sorted(set(unknown) & self.frozen_names())
+            reason = f" ({frozen} are frozen: they have no gradients to reduce)" if frozen else ""
+            raise ValueError(
+                f"`{what}` got {unknown}, which are not trainable engines{reason}. Choose from {trainable}."
+            )
+        chosen = {name: self.engines[name] for name in names or trainable}
+        nested = [name for name, engine in chosen.items() if internals.in_no_sync(engine)]
+        if nested:
+            raise RuntimeError(f"`{what}`: the engines {nested} are already inside `no_sync`; don't nest the blocks.")
+        return chosen
+
+    def check_loss_was_used(self, output: Any) -> None:
+        """Raise where it is certain that a module will never train: written for automatic optimization.
+
+        Lightning allows a manual ``training_step`` to return a loss it did not backpropagate (it detaches
+        it). Only a module that the strategy switched to manual optimization (the user wrote it for the
+        automatic loop), that returns a loss needing gradients, and that has not called
+        ``self.manual_backward`` once in this fit, is refused.
+        """
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not self.switched_to_manual or self.backward_calls or not isinstance(loss, torch.Tensor):
+            return
+        if loss.requires_grad:
+            raise ValueError(
+                f"`training_step` returned a loss but called no `self.manual_backward`, so nothing trained. With "
+                f"{len(self.optimizers)} trainable engines ({', '.join(repr(o.name) for o in self.optimizers)}) the "
+                "LightningModule runs "
+                "manual optimization: in `training_step`, call `self.manual_backward(loss)` and then `opt.step()` "
+                "and `opt.zero_grad()` for each optimizer from `self.optimizers()`."
             )
 
-
-def build_engine(
-    module: nn.Module,
-    config: dict[str, Any],
-    optimizer: Optimizer | None = None,
-    scheduler: Any = None,
-) -> DeepSpeedEngine:
-    """Wrap ``module`` in a DeepSpeed engine with ``optimizer`` and ``scheduler`` (owned by the engine).
-
-    Without ``optimizer``, DeepSpeed builds one from the config's ``optimizer`` section if it has one,
-    over the module's trainable parameters. The engine steps its scheduler in ``engine.step()``.
-    """
-    engine, *_ = deepspeed.initialize(
-        model=module,
-        optimizer=optimizer,
-        model_parameters=None if optimizer is not None else [p for p in module.parameters() if p.requires_grad],
-        lr_scheduler=scheduler,
-        config=config,
-        dist_init_required=False,
-    )
-    return engine
-
-
-def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
-    """Add what the strategy needs around a built engine; return the handles that :func:`detach` removes.
-
-    Floating-point inputs of the submodule are cast to the engine's dtype on entry, and calling the
-    engine itself is refused (:func:`refuse_direct_calls`).
-    """
-    refuse_direct_calls(name, engine)
-    return [engine.module.register_forward_pre_hook(_cast_inputs(_engine_dtype(engine)), with_kwargs=True)]
-
-
-def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:
-    """Undo :func:`attach` and :func:`build_frozen_engine`'s eval patch, then destroy the engine.
-
-    ``engine.destroy()`` removes DeepSpeed's ZeRO hooks (gradient hooks, ZeRO-3 gather/release hooks);
-    the engine's forward hooks on the module are removed here. A ZeRO-3 submodule stays partitioned:
-    ``deepspeed.zero.GatheredParameters`` reads it, and the next fit or evaluation builds an engine on it.
-    A whole submodule of a bf16/fp16 engine goes back to torch's default dtype.
-    """
-    for handle in handles:
-        handle.remove()
-    engine.module.__dict__.pop("train", None)
-    engine.destroy()
-    # destroy() leaves the forward hooks the engine put on its module, and each ZeRO-3 parameter's link to
-    # its optimizer (DeepSpeed 0.19.8): both would keep the engine alive as long as the module.
-    for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):
-        if handle is not None:
-            handle.remove()
-    for param in engine.module.parameters():
-        param.__dict__.pop("_z3_optimizer", None)
-    if _engine_dtype(engine) != torch.float32 and not is_partitioned(engine.module):
-        # Without the input cast, a bf16/fp16 module would fail on fp32 inputs outside fit. Back in fp32 it runs
-        # as under DDP with mixed precision; a ZeRO-3 one gets an engine (and its cast) again when evaluated.
-        engine.module.to(torch.get_default_dtype())
-
-
-def build_frozen_engine(module: nn.Module, config: dict[str, Any]) -> DeepSpeedEngine:
-    """Wrap ``module`` in an inference engine: no gradients, no optimizer, always in eval mode.
-
-    ``Trainer.fit`` puts the LightningModule in train mode at every epoch; the frozen submodule ignores it
-    until :func:`detach`.
-    """
-    module.requires_grad_(False)
-    module.eval()
-    module.train = types.MethodType(_stay_in_eval, module)  # type: ignore[method-assign]
-    return build_engine(module, config)
-
-
-def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
-    return nn.Module.train(module, False)
-
-
-def _engine_dtype(engine: DeepSpeedEngine) -> torch.dtype:
-    if engine.bfloat16_enabled():
-        return torch.bfloat16
-    if engine.fp16_enabled():
-        return torch.float16
-    return torch.float32
-
-
-def _cast_inputs(dtype: torch.dtype) -> Any:
-    """A forward pre-hook that casts floating-point tensors among the inputs to ``dtype``."""
-
-    def cast(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(dtype) if tensor.is_floating_point() else tensor
-
-    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return apply_to_collection(args, torch.Tensor, cast), apply_to_collection(kwargs, torch.Tensor, cast)
-
-    return hook
-
-
-def zero3_init(config: dict[str, Any]) -> Any:
-    """A ``deepspeed.zero.Init`` context: modules built inside it are partitioned as they are created."""
-    return deepspeed.zero.Init(config_dict_or_path=config, mem_efficient_linear=False)
-
-
-def is_partitioned(module: nn.Module) -> bool:
-    """Whether ``module`` holds parameters partitioned by ZeRO-3 (built under ``zero.Init``)."""
-    return any(hasattr(param, "ds_id") for param in module.parameters())
-
-
-def unpartition(module: nn.Module) -> None:
-    """Replace the ZeRO-3-partitioned parameters of ``module`` by whole, ordinary ones (a collective call).
-
-    Used for submodules built under ``zero.Init`` in ``configure_model`` whose engine is not ZeRO-3.
-    The parameter objects change, so this must run before an optimizer holds them. A parameter shared
-    by several modules (tied weights) becomes one whole parameter, still shared. Floating-point ones get
-    torch's default dtype, as if built without ``zero.Init`` (whose dtype is the ZeRO-3 engines').
-    """
-    partitioned = [param for param in module.parameters() if hasattr(param, "ds_id")]
-    dtype = torch.get_default_dtype()  # what it would have been built in without zero.Init; its engine casts
-    whole: dict[nn.Parameter, nn.Parameter] = {}
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-        for child in module.modules():
-            for name, param in list(child._parameters.items()):
-                if param is not None and hasattr(param, "ds_id"):
-                    if param not in whole:
-                        data = param.data.to(dtype) if param.is_floating_point() else param.data
-                        whole[param] = nn.Parameter(data.clone(), requires_grad=param.requires_grad)
-                    child._parameters[name] = whole[param]
-
-
-def refuse_direct_calls(name: str, engine: DeepSpeedEngine) -> None:
-    """Make calling the engine itself (``engine(x)``) an error that points to the submodule.
-
-    ``DeepSpeedEngine.forward`` registers DeepSpeed's own backward hooks on the outputs, which run a
-    second prologue beside the strategy's routing and leave the engine's backward state broken.
-    """
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError(
-            f"The DeepSpeed engine {name!r} was called directly. Call the submodule instead (`self.{name}(x)` in "
-            "the LightningModule): MultiDeepSpeedStrategy routes each backward through the engines itself, and "
-            "`engine(x)` would add DeepSpeed's own backward hooks beside it."
-        )
-
-    engine.forward = forward  # type: ignore[method-assign]
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        """``module.state_dict()`` with every ZeRO-3 partition gathered; a collective call (also after fit)."""
+        partitioned = [param for param in module.parameters() if is_zero_param(param)]
+        if not partitioned:
+            return module.state_dict()
+        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+            return {key: value.detach().clone() for key, value in module.state_dict().items()}

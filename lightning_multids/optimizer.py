@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,14 +12,8 @@ from deepspeed import DeepSpeedEngine
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_multids.sync import (
-    NonFiniteGradients,
-    abandon_step,
-    clear_gradients,
-    is_deferred,
-    set_gradient_clipping,
-    skip_nonfinite_steps,
-)
+from lightning_multids import internals
+from lightning_multids.nonfinite import NonFiniteGradients, skip_nonfinite_steps
 
 
 class _GroupView(MutableMapping):
@@ -76,6 +71,8 @@ class EngineOptimizer(Optimizer):
     * ``zero_grad()`` clears the module's gradients and any gradient DeepSpeed has already reduced
       into its partitions since the last step, and ends a ``clip_gradients`` meant for those gradients.
     * ``param_groups`` show the module's own parameters, so ``toggle_optimizer`` works.
+    * step hooks (``opt.register_step_pre_hook``/``_post_hook``, torch's global ones) run around ``step()``,
+      as around any torch optimizer's.
 
     Args:
         name: the engine's name (the submodule's attribute name).
@@ -91,14 +88,16 @@ class EngineOptimizer(Optimizer):
         optimizer: Optimizer,
         params: Sequence[list[torch.nn.Parameter]],
     ) -> None:
-        # Optimizer.__init__ is not called: the state lives in the engine's optimizer.
+        # Optimizer.__init__ is not called: the parameters and state live in the engine's optimizer. What torch's
+        # step hooks need is set here, and `step` is wrapped with torch's hook runner (`Optimizer.profile_hook_step`,
+        # which Optimizer.__init__ would apply).
         self.name = name
         self.engine = engine
         self.optimizer = optimizer
         self._params = list(params)
         self.defaults = optimizer.defaults
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
+        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._state = _StepState()
         self.manual = True
         """Whether the module runs manual optimization (set by the strategy)."""
@@ -123,6 +122,7 @@ class EngineOptimizer(Optimizer):
         """The optimizer state as DeepSpeed keeps it (per partition under ZeRO)."""
         return self.optimizer.state
 
+    @Optimizer.profile_hook_step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` if given (automatic optimization), then step the engine.
 
@@ -135,7 +135,7 @@ class EngineOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if is_deferred(self.engine):
+        if internals.in_no_sync(self.engine):
             raise RuntimeError(
                 f"`opt.step()` of engine {self.name!r} inside `strategy.no_sync(...)`: its gradients are not reduced "
                 "until the block ends. Call `opt.step()` after the `with` block."
@@ -148,10 +148,10 @@ class EngineOptimizer(Optimizer):
             self.engine.step()
             applied = self.engine.skipped_steps == skipped
         except NonFiniteGradients:  # stage 0, fp32: raised before the torch optimizer changed anything
-            abandon_step(self.engine)  # raised inside engine.step(): end its boundary
+            internals.abandon_step(self.engine)  # raised inside engine.step(): end its boundary
             applied = False
         except BaseException:
-            abandon_step(self.engine)
+            internals.abandon_step(self.engine)
             raise
         finally:
             # DeepSpeed clears param.grad; also drop what its partitions still hold, or, after an exception
@@ -193,7 +193,7 @@ class EngineOptimizer(Optimizer):
         """
         if self._state.configured_clipping is None:
             self._state.configured_clipping = float(self.engine.gradient_clipping())
-        set_gradient_clipping(self.engine, max_norm)
+        internals.set_gradient_clipping(self.engine, max_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this engine's gradients, local and already reduced, and forget a pending :meth:`clip_next_step`.
@@ -202,10 +202,10 @@ class EngineOptimizer(Optimizer):
         without one since the last clear there is nothing to clear.
         """
         if self.has_gradients:
-            clear_gradients(self.engine)
+            internals.clear_gradients(self.engine)
         self.has_gradients = False
         if self._state.configured_clipping is not None:  # clipping was for the gradients just cleared
-            set_gradient_clipping(self.engine, self._state.configured_clipping)
+            internals.set_gradient_clipping(self.engine, self._state.configured_clipping)
             self._state.configured_clipping = None
 
     def release(self) -> None:

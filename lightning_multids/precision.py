@@ -1,13 +1,25 @@
-"""The precision plugin of the strategy: precision and clipping belong to each engine's DeepSpeed config."""
+"""Precision: each engine's own (from its DeepSpeed config), its input cast, and fp16 loss scales across engines.
+
+The strategy's precision plugin keeps only the Trainer's flag; a loss that crosses fp16 engines at different
+loss scales is scaled so that each engine sees its gradients at its own scale (:func:`loss_scaling`).
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
+import torch
+from deepspeed import DeepSpeedEngine
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
 from typing_extensions import override
 
+from lightning_multids import internals
 from lightning_multids.optimizer import EngineOptimizer
 
 
@@ -16,7 +28,7 @@ class EnginePrecision(Precision):
 
     Lightning picks autocast (``MixedPrecision``) for ``bf16-mixed`` on a DDP-like strategy; here each
     DeepSpeed engine runs its own precision from its config instead, so this plugin adds no autocast
-    and no input conversion (engines cast their own inputs, see :func:`~lightning_multids.engines.attach`).
+    and no input conversion (engines cast their own inputs, see :func:`cast_inputs`).
 
     Args:
         precision: the Trainer's precision flag, e.g. ``"32-true"`` or ``"bf16-mixed"``.
@@ -49,3 +61,54 @@ class EnginePrecision(Precision):
                 "clips by global norm inside `step()`. Use `gradient_clip_algorithm='norm'`."
             )
         optimizer.clip_next_step(float(clip_val))
+
+
+def engine_dtype(engine: DeepSpeedEngine) -> torch.dtype:
+    """The dtype ``engine`` holds its module's weights in: bf16, fp16 or fp32."""
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    if engine.fp16_enabled():
+        return torch.float16
+    return torch.float32
+
+
+def cast_inputs(dtype: torch.dtype) -> Any:
+    """A forward pre-hook that casts floating-point tensors among a module's inputs to ``dtype``."""
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return apply_to_collection(args, torch.Tensor, cast), apply_to_collection(kwargs, torch.Tensor, cast)
+
+    return hook
+
+
+def loss_scaling(engines: Mapping[str, DeepSpeedEngine]) -> tuple[float, dict[str, float]]:
+    """How to scale one loss that reaches ``engines``: the loss factor, and a gradient factor per engine.
+
+    Each fp16 engine's optimizer divides its gradients by its own dynamic loss scale in ``step()``; bf16
+    and fp32 engines divide by nothing. The loss is multiplied by the smallest fp16 scale S (so no
+    engine's backward runs at a larger scale than its own scaler allows), and each engine's parameter
+    gradients by ``its scale / S`` as they arrive, so every engine sees its gradients at its own scale.
+    """
+    scales = {name: internals.loss_scale(engine) for name, engine in engines.items()}
+    fp16 = [scale for name, scale in scales.items() if engines[name].fp16_enabled()]
+    common = min(fp16) if fp16 else 1.0
+    return common, {name: scale / common for name, scale in scales.items()}
+
+
+@contextmanager
+def gradients_rescaled(engines: Mapping[str, DeepSpeedEngine], factors: Mapping[str, float]) -> Iterator[None]:
+    """Multiply the gradient of each parameter of ``engines[name]`` by ``factors[name]`` during the body."""
+    handles = []
+    for name, factor in factors.items():
+        if factor != 1.0:
+            for param in engines[name].module.parameters():
+                if param.requires_grad:
+                    handles.append(param.register_hook(functools.partial(torch.mul, other=factor)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

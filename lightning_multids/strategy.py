@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -19,18 +18,26 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
-from lightning_multids import sync
+from lightning_multids import gradients, internals
 from lightning_multids.config import load_config, validate_stage, zero3_init_config
 from lightning_multids.data import forget_requested
-from lightning_multids.diagnostics import warn_gradient_readers
-from lightning_multids.engine_set import EngineSet, build_engines, build_evaluation_engines
-from lightning_multids.engines import check_engine_names, zero3_init
+from lightning_multids.discovery import check_engine_names
+from lightning_multids.engines import EngineSet
+from lightning_multids.lifecycle import (
+    build_engines,
+    build_evaluation_engines,
+    release_engines,
+    sync_replicated_states,
+    zero3_init,
+)
+from lightning_multids.planning import check_clip_algorithm, warn_gradient_readers
 from lightning_multids.precision import EnginePrecision
 
 log = logging.getLogger(__name__)
@@ -48,19 +55,20 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     Args:
         stage: the default ZeRO stage (0-3) of every engine.
         config: the default DeepSpeed config of every engine: a dict or a path to a JSON file.
-        engines: per-submodule overrides merged over ``config``, keyed by the submodule's attribute name
+        engine_configs: per-submodule overrides merged over ``config``, keyed by the submodule's attribute name
             on the LightningModule, each a dict or a path to a JSON file,
             e.g. ``{"discriminator": {"zero_optimization": {"stage": 3}}}``.
         accelerator: the accelerator (set by the Trainer).
         parallel_devices: the devices of this node (set by the Trainer).
         cluster_environment: how processes find each other (set by the Trainer, or e.g. ``SLURMEnvironment()``).
-        checkpoint_io: the checkpoint IO plugin.
+        checkpoint_io: not supported: each engine writes its own part of a checkpoint (an error if given).
         precision_plugin: ignored beyond its precision flag: each engine runs its precision from its config.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
         timeout: the timeout of collective operations.
         start_method: how Lightning starts the other processes (``"popen"`` re-runs the script per rank).
         save_frozen: also save frozen engines in every checkpoint (their weights do not change during fit, so
             by default they are not duplicated into each one).
+        engines: deprecated name of ``engine_configs``.
     """
 
     strategy_name = "multi_deepspeed"
@@ -69,7 +77,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self,
         stage: int = 2,
         config: dict[str, Any] | str | None = None,
-        engines: dict[str, dict[str, Any] | str] | None = None,
+        engine_configs: dict[str, dict[str, Any] | str] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -79,12 +87,13 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
         save_frozen: bool = False,
+        engines: dict[str, dict[str, Any] | str] | None = None,
     ) -> None:
+        _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -93,7 +102,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self.stage = validate_stage(stage, what="MultiDeepSpeedStrategy(stage=...)")
         self.config = load_config(config, what="every engine (`config=`)")
         self.engine_overrides = {
-            name: load_config(source, what=f"the engine {name!r}") for name, source in (engines or {}).items()
+            name: load_config(source, what=f"the engine {name!r}")
+            for name, source in _renamed_engines_argument(engine_configs, engines).items()
         }
         self.save_frozen = save_frozen
         self._engine_set = EngineSet()
@@ -121,42 +131,38 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        """Point DeepSpeed at Lightning's accelerator, start torch.distributed as DDP does, and share the group.
+        """Check DeepSpeed, point it at Lightning's accelerator, start torch.distributed as DDP does, share the group.
 
         DDP chooses the process group backend from the device (gloo on CPU, nccl on CUDA); DeepSpeed's comm
         layer and engines then run on the same accelerator as Lightning.
         """
+        internals.check_deepspeed()
         ds_accelerator.follow(self.root_device.type)
         super().setup_distributed()
         deepspeed.init_distributed(dist_backend=self._process_group_backend, auto_mpi_discovery=False, verbose=False)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """Move the module to the device; build one engine per optimizer when fitting, else one per ZeRO-3 submodule."""
-        assert self.accelerator is not None
+        """Set up as ``DDPStrategy.setup`` does, with DeepSpeed engines where DDP wraps the module.
+
+        In DDP's order: the accelerator; when fitting, the ``sync_batchnorm`` conversion; the module to the device;
+        then, when fitting, one engine per optimizer, and frozen engines (``lifecycle.build_engines``); otherwise
+        rank 0's weights and buffers to every rank, as DDP syncs module states outside fit, and one inference
+        engine per ZeRO-3 submodule. Last, the precision plugin. :meth:`teardown` undoes it in reverse.
+        """
+        assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
         self.model_to_device()
         module = self.lightning_module
         assert module is not None
         check_engine_names(module, self.engine_overrides)
-        if trainer.state.fn == TrainerFn.FITTING:
-            _check_clip_algorithm(trainer)
-            self._engine_set = build_engines(
-                trainer,
-                module,
-                stage=self.stage,
-                default=self.config,
-                overrides=self.engine_overrides,
-                precision=str(self.precision_plugin.precision),
-                device_type=self.root_device.type,
-                agree=self._agree_on_failure,
-            )
-            if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
-                self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_overrides)
-            warn_gradient_readers(module, self._engine_set.trainable_engines)
-            self.optimizers = list[Optimizer](self._engine_set.optimizers)
-            self.lr_scheduler_configs = self._engine_set.scheduler_configs
+        if fitting:
+            self._setup_fit(trainer, module)
         else:
+            sync_replicated_states(module)
             self._engine_set = build_evaluation_engines(
                 module,
                 default=self.config,
@@ -165,6 +171,24 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 device_type=self.root_device.type,
             )
         self.setup_precision_plugin()
+
+    def _setup_fit(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        check_clip_algorithm(trainer)
+        self._engine_set = build_engines(
+            trainer,
+            module,
+            stage=self.stage,
+            default=self.config,
+            overrides=self.engine_overrides,
+            precision=str(self.precision_plugin.precision),
+            device_type=self.root_device.type,
+            agree=self._agree_on_failure,
+        )
+        if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
+            self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_overrides)
+        warn_gradient_readers(module, self._engine_set.trainable_engines)
+        self.optimizers = list[Optimizer](self._engine_set.optimizers)
+        self.lr_scheduler_configs = self._engine_set.scheduler_configs
 
     def _agree_on_failure(self, error: BaseException | None) -> None:
         """Tell every rank whether any rank failed; raise on the ranks that did not (the failed one re-raises)."""
@@ -231,7 +255,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         At ZeRO-2/3 the engine holds a whole, unpartitioned gradient per rank during the block (what
         ZeRO-1 holds anyway); at stages 0/1 reduction already happens once per step, in ``step()``.
         """
-        with sync.deferred_reduction(self._engine_set.trainable(names, what="no_sync")):
+        with gradients.no_sync(self._engine_set.trainable(names, what="no_sync")):
             yield
 
     def full_gradients(self, name: str) -> dict[str, Tensor]:
@@ -376,25 +400,23 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         Nothing here is a collective, so it is safe after an exception on one rank. The submodules stay
         the user's modules; ZeRO-3 ones stay partitioned (see :meth:`consolidated_state_dict`).
         """
-        self._engine_set.release()
+        release_engines(self._engine_set)
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            forget_requested(self.lightning_module.trainer)
-        super().teardown()
+            forget_requested(self.lightning_module.trainer)  # the dataloaders the engines were sized from
+        super().teardown()  # as DDP: reverts sync_batchnorm, moves the module to the CPU
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Say which rank failed and why, on that rank's stderr, before Lightning tears down.
+        """Log which rank failed and why (Python logging, on every rank), before Lightning tears down.
 
         The process then exits; the other ranks' pending collectives fail as soon as its connections
         close, so they stop too (tested: all exit non-zero within seconds, no hang).
         """
         broken = isinstance(exception, RuntimeError) and _COLLECTIVE_FAILURE.search(str(exception))
         reason = "a collective failed, most likely because another rank stopped (see its output)" if broken else ""
-        print(
+        log.error(  # every rank's own message, not rank zero's: which rank failed is the point
             f"[rank {self.global_rank}] MultiDeepSpeedStrategy: {type(exception).__name__}: {exception}"
-            + (f" -- {reason}" if reason else ""),
-            file=sys.stderr,
-            flush=True,
+            + (f" -- {reason}" if reason else "")
         )
         super().on_exception(exception)
 
@@ -409,10 +431,29 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         )
 
 
-def _check_clip_algorithm(trainer: pl.Trainer) -> None:
-    algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm or "norm"))
-    if trainer.gradient_clip_val and algorithm != "norm":
+def _refuse_checkpoint_io(checkpoint_io: CheckpointIO | None) -> None:
+    if checkpoint_io is not None:
         raise ValueError(
-            f"`Trainer(gradient_clip_algorithm={algorithm!r})` is not available: DeepSpeed "
-            "clips by global norm. Use `gradient_clip_algorithm='norm'`."
+            f"MultiDeepSpeedStrategy got `checkpoint_io={type(checkpoint_io).__name__}(...)`, which it cannot use: "
+            "each DeepSpeed engine writes its own part of a checkpoint directory. Remove the `checkpoint_io` argument "
+            "(and any CheckpointIO from `Trainer(plugins=...)`)."
         )
+
+
+def _renamed_engines_argument(
+    engine_configs: dict[str, dict[str, Any] | str] | None, engines: dict[str, dict[str, Any] | str] | None
+) -> dict[str, dict[str, Any] | str]:
+    """The per-engine configs, from ``engine_configs`` or its deprecated name ``engines``."""
+    if engines is None:
+        return engine_configs or {}
+    if engine_configs is not None:
+        raise ValueError(
+            "MultiDeepSpeedStrategy got both `engine_configs=` and `engines=`, the deprecated name of the same "
+            "argument. Pass the per-engine configs once, as `engine_configs=`."
+        )
+    rank_zero_deprecation(
+        "`MultiDeepSpeedStrategy(engines=...)` is deprecated and will be removed in a future release: the argument "
+        "takes configs, while `strategy.engines` returns engines. Pass `engine_configs=...` instead (in YAML, "
+        "`engine_configs:` under the strategy's `init_args`)."
+    )
+    return engines

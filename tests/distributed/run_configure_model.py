@@ -80,10 +80,12 @@ def strategy(case: str) -> MultiDeepSpeedStrategy:
     if case == "config_stage":
         return MultiDeepSpeedStrategy(stage=2, config=ZERO3)
     if case == "own_dtype":
-        return MultiDeepSpeedStrategy(stage=2, engines={"teacher": {**ZERO3, "bf16": {"enabled": True}}, "student": {}})
+        return MultiDeepSpeedStrategy(
+            stage=2, engine_configs={"teacher": {**ZERO3, "bf16": {"enabled": True}}, "student": {}}
+        )
     if case == "tied":
-        return MultiDeepSpeedStrategy(stage=2, engines={"teacher": ZERO3})
-    return MultiDeepSpeedStrategy(stage=3, engines={"teacher": ZERO3})
+        return MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": ZERO3})
+    return MultiDeepSpeedStrategy(stage=3, engine_configs={"teacher": ZERO3})
 
 
 def main() -> None:

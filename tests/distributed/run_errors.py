@@ -192,7 +192,7 @@ def nan_run(name: str, out: str) -> None:
     """A NaN reaches the discriminator on one rank: every rank refuses that step; no weights change."""
     stage, precision, config = NAN_RUNS[name]
     module, before = GAN(nan_in_discriminator), WeightsBefore()
-    strategy = MultiDeepSpeedStrategy(stage=stage, engines={"discriminator": config})
+    strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs={"discriminator": config})
     trainer = cpu_trainer(
         strategy, precision=precision, callbacks=[before], enable_checkpointing=False, use_distributed_sampler=False
     )

@@ -76,7 +76,7 @@ def main() -> None:
         if case == "config_optimizer":
             trained.update(SGD_CONFIG)
         strategy = MultiDeepSpeedStrategy(
-            engines={"frozen": {"zero_optimization": {"stage": int(frozen_stage)}}, "trained": trained}
+            engine_configs={"frozen": {"zero_optimization": {"stage": int(frozen_stage)}}, "trained": trained}
         )
         engines_at_end = AtFitEnd(
             lambda s: {

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.diagnostics import ReductionCounter
-from lightning_multids.gradcache import grad_cache, info_nce
+from lightning_multids.utilities import ReductionCounter
+from lightning_multids.utilities.gradcache import grad_cache, info_nce
 from tests.distributed.common import cpu_trainer, finish, sharded_loader
 
 warnings.filterwarnings("ignore")

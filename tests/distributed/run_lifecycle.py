@@ -81,7 +81,7 @@ def leftovers(module: Lifecycle) -> dict[str, Any]:
 
 def strategy(generator_stage: int) -> MultiDeepSpeedStrategy:
     return MultiDeepSpeedStrategy(
-        engines={
+        engine_configs={
             "generator": {"zero_optimization": {"stage": generator_stage}},
             "discriminator": {"zero_optimization": {"stage": 3}},
             "critic": {"zero_optimization": {"stage": 3}},

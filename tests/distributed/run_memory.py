@@ -68,7 +68,7 @@ class BigTeacher(pl.LightningModule):
 def main() -> None:
     (out,) = sys.argv[1:]
     module = BigTeacher()
-    strategy = MultiDeepSpeedStrategy(stage=2, engines={"teacher": {"zero_optimization": {"stage": 3}}})
+    strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": {"stage": 3}}})
     trainer = cpu_trainer(strategy, max_steps=1, enable_checkpointing=False)
     trainer.fit(module)
     teacher_bytes = sum(p.ds_numel for p in module.teacher.parameters()) * 4

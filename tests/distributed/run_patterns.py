@@ -123,7 +123,7 @@ def main() -> None:
         strategy = MultiDeepSpeedStrategy(
             stage=int(stage),
             config=SMALL_BUCKETS if pattern.endswith("+small_buckets") else None,
-            engines=FP16_SCALES if precision == "16-mixed" else None,
+            engine_configs=FP16_SCALES if precision == "16-mixed" else None,
         )
         engines_at_end = AtFitEnd(
             lambda s: {

@@ -68,7 +68,7 @@ def optimizer_state(engine: object) -> list[torch.Tensor]:
 def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = None) -> dict:
     module = Resumable(case)
     engines = {"teacher": {"zero_optimization": {"stage": 3}}} if case == "distill" else {}
-    strategy = MultiDeepSpeedStrategy(stage=stage, engines=engines)
+    strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=engines)
     optimizers_at_end = AtFitEnd(lambda s: [t for opt in s.optimizers for t in optimizer_state(opt.engine)])
     trainer = cpu_trainer(
         strategy,

@@ -52,14 +52,14 @@ def test_load_config_reads_json(tmp_path: Path) -> None:
 
 def test_missing_config_file_names_engine_and_fix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"engine 'discriminator'.*not a file.*existing JSON file"):
-        MultiDeepSpeedStrategy(engines={"discriminator": str(tmp_path / "missing.json")})
+        MultiDeepSpeedStrategy(engine_configs={"discriminator": str(tmp_path / "missing.json")})
 
 
 def test_config_that_is_not_json_names_engine_and_fix(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
     path.write_text("{stage: 3")
     with pytest.raises(ValueError, match=r"engine 'generator'.*not valid JSON.*Fix the file"):
-        MultiDeepSpeedStrategy(engines={"generator": str(path)})
+        MultiDeepSpeedStrategy(engine_configs={"generator": str(path)})
 
 
 def test_config_that_is_not_an_object(tmp_path: Path) -> None:

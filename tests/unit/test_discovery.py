@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_multids import backward as routing
 from lightning_multids.discovery import Reach, reached_engines
-from lightning_multids.engine_set import EngineSet
+from lightning_multids.engines import EngineSet
+from lightning_multids.routing import Router
 
 TRAINABLE = ("a", "b", "c", "d")
 GRAPHS = 400
@@ -143,9 +143,10 @@ def routed_backward(graph: Graph, loss: torch.Tensor, reach: Reach) -> tuple[set
     """Backpropagate ``loss`` through the strategy's routing with watched fake engines."""
     calls: list[tuple[str, str]] = []
     engines = {name: FakeEngine(name, graph.modules[name], calls) for name in TRAINABLE}
+    router = Router()
     for name, engine in engines.items():
-        routing.watch_gradients(name, engine)  # type: ignore[arg-type]
-    with routing.routed(loss, engines, reach) as route:  # type: ignore[arg-type]
+        router.watch(name, engine)  # type: ignore[arg-type]
+    with router.routed(loss, engines, reach) as route:  # type: ignore[arg-type]
         loss.backward()
     assert not any(engine._running_engine_backward for engine in engines.values())
     return set(route.entered), calls
@@ -217,16 +218,17 @@ def test_an_engine_inside_a_checkpoint_is_entered_once(reentrant: bool) -> None:
 def test_an_exception_in_backward_leaves_every_engine_out_of_it() -> None:
     graph = Graph(0)
     engines = {name: FakeEngine(name, graph.modules[name], []) for name in TRAINABLE}
+    router = Router()
     for name, engine in engines.items():
-        routing.watch_gradients(name, engine)  # type: ignore[arg-type]
+        router.watch(name, engine)  # type: ignore[arg-type]
     loss = graph.modules["b"](graph.modules["a"](torch.randn(2, 4))).sum()
     reach = reached_engines(loss, graph.owners())
-    with pytest.raises(RuntimeError, match="out of memory"), routing.routed(loss, engines, reach):  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="out of memory"), router.routed(loss, engines, reach):  # type: ignore[arg-type]
         raise RuntimeError("out of memory")
     assert not any(e._running_engine_backward or e._running_engine_backward_count for e in engines.values())
     # no epilogue over a failed backward: the gradients it may have left are dropped instead
     assert engines["a"].calls == [("prologue", "a"), ("cleared", "a")]
-    assert routing._ROUTE is None
+    assert router.current is None
     loss.backward()  # outside a route the engines' hooks do nothing
     assert engines["a"].calls == [("prologue", "a"), ("cleared", "a")] and not engines["c"].calls
 
@@ -236,10 +238,10 @@ def test_a_hidden_graph_that_reaches_no_engine_is_refused_after_its_backward() -
     graph = Graph(0)
     calls: list[tuple[str, str]] = []
     engines = {name: FakeEngine(name, graph.modules[name], calls) for name in TRAINABLE}
-    for name, engine in engines.items():
-        routing.watch_gradients(name, engine)  # type: ignore[arg-type]
     optimizers = [SimpleNamespace(name=name, has_gradients=False) for name in TRAINABLE]
     engine_set = EngineSet(engines=engines, optimizers=optimizers, owners=graph.owners())  # type: ignore[arg-type]
+    for name, engine in engines.items():
+        engine_set.router.watch(name, engine)  # type: ignore[arg-type]
     x = torch.randn(2, 4, requires_grad=True)
     loss = checkpoint(graph.modules["plain"], x, use_reentrant=True).sum()
     with pytest.raises(ValueError, match=r"reaches no trainable engine \('a', 'b', 'c', 'd'\)"):  # noqa: SIM117

@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_multids.backward import gradients_rescaled, loss_scale, loss_scaling
-from lightning_multids.discovery import reached_engines
-from lightning_multids.engine_set import EngineSet
-from lightning_multids.engines import check_engine_names, match_optimizers, parameter_owners
+from lightning_multids.discovery import check_engine_names, match_optimizers, parameter_owners, reached_engines
+from lightning_multids.engines import EngineSet
+from lightning_multids.internals import loss_scale
 from lightning_multids.optimizer import EngineScheduler, _GroupView
+from lightning_multids.precision import gradients_rescaled, loss_scaling
 from tests import patterns
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_multids.engine_set import EngineSet
-from lightning_multids.gradcache import grad_cache, info_nce
+from lightning_multids.engines import EngineSet
+from lightning_multids.utilities.gradcache import grad_cache, info_nce
 
 
 def plain_module() -> Any:

@@ -5,10 +5,9 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.diagnostics import warn_gradient_readers
-from lightning_multids.engine_set import EngineSet
+from lightning_multids.engines import EngineSet
+from lightning_multids.planning import check_clip_algorithm, warn_gradient_readers
 from lightning_multids.precision import EnginePrecision
-from lightning_multids.strategy import _check_clip_algorithm
 
 
 def test_selectable_by_name() -> None:
@@ -54,7 +53,7 @@ def test_value_clipping_is_refused() -> None:
         gradient_clip_algorithm="value",
     )
     with pytest.raises(ValueError, match=r"gradient_clip_algorithm='value'.*clips by global norm.*'norm'"):
-        _check_clip_algorithm(trainer)
+        check_clip_algorithm(trainer)
 
 
 def test_trainer_gradient_clip_val_clips_the_engines_that_set_none_in_manual_optimization() -> None:

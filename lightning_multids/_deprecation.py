@@ -1,0 +1,25 @@
+"""Old import paths and argument names that still work, with a deprecation warning, until they are removed."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
+
+
+def moved_module(old: str, new: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for the old module ``old``: each public name is read from ``new``, with a warning."""
+
+    def __getattr__(name: str) -> Any:
+        module = importlib.import_module(new)
+        if name.startswith("_") or not hasattr(module, name):
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        rank_zero_deprecation(
+            f"`{old}.{name}` is deprecated and will be removed in a future release of lightning_multids. "
+            f"Import it from `{new}` instead."
+        )
+        return getattr(module, name)
+
+    return __getattr__

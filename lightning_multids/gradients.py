@@ -1,0 +1,65 @@
+"""Gradient state between a backward and ``step()``: kept local (``no_sync``), and read whole.
+
+Clearing and resetting an engine's gradients touch DeepSpeed's internals, so they live in
+:mod:`lightning_multids.internals` (``clear_gradients``, ``abandon_backward``, ``abandon_step``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+from deepspeed import DeepSpeedEngine
+
+from lightning_multids import internals
+
+
+@contextmanager
+def no_sync(engines: Mapping[str, DeepSpeedEngine]) -> Iterator[None]:
+    """Keep the gradients of ``engines`` local during the body; reduce each engine once when it ends.
+
+    Under this strategy (``engine.step()`` is the accumulation boundary) stages 0 and 1 reduce only in
+    ``step()``, so several backwards already cost one reduction; stages 2 and 3 reduce (reduce-scatter)
+    during every backward. Inside the block, ZeRO-2/3 engines instead accumulate whole gradients in
+    ``param.grad`` (:func:`~lightning_multids.internals.start_no_sync`), and on exit every rank reduces them
+    once, in the same order, into the partitions, where they add to whatever earlier backwards of this step
+    reduced. ``engine.step()`` refuses to run inside the block.
+
+    On an exception the gradients of the block are dropped instead: reducing on only the ranks that
+    got here would leave the others waiting.
+    """
+    for engine in engines.values():
+        internals.start_no_sync(engine)
+    try:
+        yield
+    except BaseException:
+        for engine in engines.values():
+            internals.stop_no_sync(engine)
+            internals.clear_gradients(engine)
+        raise
+    for name in sorted(engines):  # the same collective order on every rank
+        internals.stop_no_sync(engines[name])
+        internals.reduce_local_gradients(engines[name])
+
+
+def full_gradients(engine: DeepSpeedEngine, name: str) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's gradient, whole and averaged over the ranks, between a backward and ``step()``.
+
+    What one process of plain PyTorch on the global batch holds in ``param.grad`` (before the optimizer's
+    own loss-scale division, which is undone here for fp16). A collective call: every rank, same engines,
+    same order. Keys are the parameter names within the engine's module. Stage 0/1 hold local gradients,
+    all-reduced here; stage 2/3 hold reduced partitions, gathered with DeepSpeed's ``safe_get_full_grad``.
+    """
+    params = {key: param for key, param in engine.module.named_parameters() if param.requires_grad}
+    if engine.zero_optimization_partition_gradients():
+        grads = internals.gathered_gradients(engine, name, params)
+    else:
+        grads = {key: internals.local_gradient(param) for key, param in params.items()}
+        for grad in grads.values():
+            torch.distributed.all_reduce(grad)
+            grad /= torch.distributed.get_world_size()
+    scale = internals.loss_scale(engine)
+    return {
+        key: grad.detach().float().reshape(internals.full_shape(params[key])) / scale for key, grad in grads.items()
+    }

@@ -1,0 +1,488 @@
+"""Every use of DeepSpeed's private API in lightning_multids, and nowhere else; read from DeepSpeed 0.19.8.
+
+"Private" here means an underscore name, or an attribute DeepSpeed sets on its engine, optimizers or
+parameters without documenting it (``averaged_gradients``, ``micro_step_id``, ``ds_shape``...). A patch
+release can change any of them, and most would then fail as silently wrong gradients, not as errors.
+So each use is one small function here, named for what it does for the strategy, with a line on what it
+touches; the rest of the package calls those names and DeepSpeed's public API (``deepspeed.initialize``,
+``engine.step()``, ``engine.allreduce_gradients()``, ``deepspeed.zero.Init``, ``GatheredParameters``,
+``is_zero_param``, ``safe_get_full_grad``, checkpoints). At setup, :func:`check_deepspeed` refuses a
+DeepSpeed outside :data:`SUPPORTED_DEEPSPEED` or one whose classes lack a method used here, and
+:func:`check_engine` refuses a built engine that lacks an attribute used here.
+
+Engines run with ``managed_gradient_accumulation: false`` (see :mod:`lightning_multids.config`): a
+backward only accumulates and ``engine.step()`` is the accumulation boundary. What a backward leaves
+behind depends on the optimizer DeepSpeed chose:
+
+* stage 0, fp32: ``param.grad`` (reduced in ``step()``); stage 0, bf16 (``BF16_Optimizer``): fp32
+  accumulators beside it; stage 0, fp16 (``FP16_Optimizer``): ``param.grad`` at the loss scale;
+* stage 1/2 (``DeepSpeedZeroOptimizer``): ``param.grad``/``grad_accum`` and, at stage 2, gradients
+  already reduce-scattered into this rank's partition (``all_grad_tensors``, ``averaged_gradients``);
+* stage 3 (``DeepSpeedZeroOptimizer_Stage3``): reduced partitions that a backward overwrites when
+  ``micro_step_id`` is 0 and adds to otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed import DeepSpeedEngine
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils import safe_get_full_grad
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from torch.optim import Optimizer
+
+SUPPORTED_DEEPSPEED = ">=0.19.8,<0.20"
+"""The DeepSpeed releases this module was read from and tested with."""
+
+_INSTALL = f"pip install 'deepspeed{SUPPORTED_DEEPSPEED}'"
+
+# What this module calls on DeepSpeed's classes (checked at setup) and reads or sets on its objects (checked
+# on every engine built). Keep these in step with the functions below.
+_CLASS_METHODS: dict[type, tuple[str, ...]] = {
+    DeepSpeedEngine: (
+        "_backward_prologue",
+        "_backward_epilogue",
+        "_flush_coalesced_reduction_zero12",
+        "_flush_coalesced_reduction_zero3",
+        "buffered_allreduce_fallback",
+    ),
+    ZeROOptimizer: ("clear_backward_seen_flag", "_backward_active_depth"),
+    DeepSpeedZeroOptimizer: (
+        "_release_ipg_buffers",
+        "_release_preflattened_grad_buffers",
+        "_use_compact_grad_partition_buffer",
+        "get_flat_partition",
+        "reduce_gradients",
+        "average_tensor",
+    ),
+    DeepSpeedZeroOptimizer_Stage3: ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",),
+}
+_ENGINE_ATTRIBUTES = (
+    "_running_engine_backward_lock",
+    "_running_engine_backward_count",
+    "_running_engine_backward",
+    "_running_engine_step",
+    "inside_no_sync_ctxt",
+    "_config",
+    "basic_optimizer",
+    "module_forward_pre_hook",
+    "module_forward_post_hook",
+)
+_OPTIMIZER_ATTRIBUTES: dict[type, tuple[str, ...]] = {
+    DeepSpeedZeroOptimizer: (
+        "ipg_buckets",
+        "params_already_reduced",
+        "previous_reduced_grads",
+        "extra_large_param_to_reduce",
+        "averaged_gradients",
+        "all_grad_tensors",
+        "micro_step_id",
+        "bit16_groups",
+        "params_in_partition",
+        "first_offset",
+        "partition_size",
+        "gradient_accumulation_dtype",
+        "partition_gradients",
+        "cpu_offload",
+        "compute_grad_norm",
+        "check_grad_overflow",
+        "dtype",
+        "clip_grad",
+        "_coalesce_grad_reduction",
+    ),
+    DeepSpeedZeroOptimizer_Stage3: (
+        "ipg_buckets",
+        "params_already_reduced",
+        "grad_partitions_flat_buffer",
+        "clip_grad",
+        "_coalesce_grad_reduction",
+    ),
+    BF16_Optimizer: ("clip_grad",),
+}
+
+
+class UnsupportedDeepSpeed(RuntimeError):
+    """The installed DeepSpeed is outside the supported range, or lacks something this package uses."""
+
+
+# ---- at setup ---------------------------------------------------------------------------------------------
+
+
+def check_deepspeed(version: str | None = None) -> None:
+    """Raise :class:`UnsupportedDeepSpeed` unless DeepSpeed is in the supported range and has every method used here.
+
+    Args:
+        version: the DeepSpeed version to check; the installed one by default.
+    """
+    version = version or deepspeed.__version__
+    if Version(Version(version).base_version) not in SpecifierSet(SUPPORTED_DEEPSPEED):  # local builds count
+        raise UnsupportedDeepSpeed(
+            f"MultiDeepSpeedStrategy supports DeepSpeed {SUPPORTED_DEEPSPEED}; this is DeepSpeed {version}. It drives "
+            f"DeepSpeed's backward and gradient state directly, which other releases may change. Run `{_INSTALL}`."
+        )
+    for owner, names in _CLASS_METHODS.items():
+        for name in names:
+            if not hasattr(owner, name):
+                _refuse_missing(f"{owner.__name__}.{name}")
+
+
+def check_engine(name: str, engine: DeepSpeedEngine) -> None:
+    """Raise :class:`UnsupportedDeepSpeed` if the engine ``name`` or its optimizer lacks an attribute used here."""
+    for attribute in _ENGINE_ATTRIBUTES:
+        if not hasattr(engine, attribute):
+            _refuse_missing(f"DeepSpeedEngine.{attribute}", engine=name)
+    for owner, attributes in _OPTIMIZER_ATTRIBUTES.items():
+        if isinstance(engine.optimizer, owner):
+            for attribute in attributes:
+                if not hasattr(engine.optimizer, attribute):
+                    _refuse_missing(f"{owner.__name__}.{attribute}", engine=name)
+
+
+def _refuse_missing(what: str, engine: str | None = None) -> None:
+    where = f" (engine {engine!r})" if engine else ""
+    raise UnsupportedDeepSpeed(
+        f"MultiDeepSpeedStrategy uses DeepSpeed's `{what}`{where}, which DeepSpeed {deepspeed.__version__} does not "
+        f"have. It supports DeepSpeed {SUPPORTED_DEEPSPEED}: run `{_INSTALL}`."
+    )
+
+
+def torch_optimizer(engine: DeepSpeedEngine) -> Optimizer:
+    """The torch optimizer DeepSpeed built from the engine's config (``engine.basic_optimizer``)."""
+    return engine.basic_optimizer
+
+
+def reentrant_checkpoint_functions() -> tuple[type, ...]:
+    """DeepSpeed's reentrant activation-checkpoint autograd function (``checkpointing.CheckpointFunction``)."""
+    try:
+        from deepspeed.runtime.activation_checkpointing.checkpointing import CheckpointFunction
+    except ImportError:  # pragma: no cover - a DeepSpeed without it has no such nodes to find
+        return ()
+    return (CheckpointFunction,)
+
+
+# ---- one backward: prologue, phases, epilogue ---------------------------------------------------------------
+
+
+def enter_backward(engine: DeepSpeedEngine) -> None:
+    """Run the engine's backward prologue as ``engine.backward`` does, and mark it as inside a backward.
+
+    ``_running_engine_backward`` (and its count, under its lock) makes DeepSpeed's queued post-backward callback
+    leave the epilogue to the caller, and lets stage 0 accept a direct ``tensor.backward()``. ZeRO's "gradient
+    seen" flags are reset first, as ``engine.forward`` would before its backward.
+    """
+    with engine._running_engine_backward_lock:
+        engine._running_engine_backward_count += 1
+        engine._running_engine_backward = True
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        engine.optimizer.clear_backward_seen_flag()
+    engine._backward_prologue()
+
+
+def end_backward(engine: DeepSpeedEngine, *, reduce: bool = True) -> None:
+    """Run the engine's backward epilogue (``_backward_epilogue``): reduce, then leave ZeRO's backward context.
+
+    With ``reduce=False`` the epilogue runs with DeepSpeed's no-sync flag set, so nothing is reduced: ZeRO-2
+    cannot reduce an empty bucket (IndexError in ``reduce_ipg_grads``).
+    """
+    if reduce:
+        engine._backward_epilogue()
+        return
+    engine.inside_no_sync_ctxt = True
+    try:
+        engine._backward_epilogue()
+    finally:
+        engine.inside_no_sync_ctxt = False
+
+
+def leave_backward(engine: DeepSpeedEngine) -> None:
+    """Undo :func:`enter_backward`'s mark, whether or not the backward completed."""
+    with engine._running_engine_backward_lock:
+        engine._running_engine_backward_count -= 1
+        engine._running_engine_backward = engine._running_engine_backward_count > 0
+
+
+def reduce_phase(engine: DeepSpeedEngine) -> None:
+    """Reduce-scatter what a ZeRO-2/3 engine's bucket holds now, mid-backward, without leaving the backward.
+
+    ``engine.allreduce_gradients()`` runs ZeRO's ``overlapping_partition_gradients_reduce_epilogue``; the
+    "gradient seen" flags are then reset so that ZeRO-3 adds to (``micro_step_id > 0``) what was just reduced.
+    """
+    engine.allreduce_gradients()
+    engine.optimizer.clear_backward_seen_flag()
+
+
+def clear_gradients(engine: DeepSpeedEngine) -> None:
+    """Clear every gradient ``engine`` holds for its next step (local, accumulated and reduced), as ``step()`` does.
+
+    ``zero_grad()`` of ZeRO-1/2 only clears ``param.grad``; gradients a backward already reduced into the partition
+    (``averaged_gradients``, ``all_grad_tensors``, the pre-flattened buffers) survive it, and ``micro_step_id``
+    decides whether the next reduction adds or overwrites. ZeRO-3's ``zero_grad`` resets ``micro_step_id`` but adds a
+    parameter first reduced later in the step to its flat partition buffer, which must not hold the last step's.
+    """
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        optimizer._release_preflattened_grad_buffers()
+        for index in range(len(optimizer.bit16_groups)):
+            optimizer.averaged_gradients[index] = None
+            optimizer.all_grad_tensors[index] = None
+        optimizer.micro_step_id = _initial_micro_step_id()
+        optimizer.zero_grad(set_to_none=True)
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        optimizer.zero_grad(set_to_none=True)
+        optimizer.grad_partitions_flat_buffer.zero_()
+    elif optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)  # torch optimizer, or BF16/FP16_Optimizer: lp and hp grads
+    engine.zero_grad()  # param.grad of every module parameter
+
+
+def _initial_micro_step_id() -> int:
+    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+    return int(INITIAL_MICRO_STEP_ID)
+
+
+def abandon_backward(engine: DeepSpeedEngine) -> None:
+    """Return ``engine`` to a clean state after an exception ended its backward early; no collective.
+
+    The prologue ran and the epilogue did not: ZeRO's backward depth (``_backward_active_depth``) stays raised;
+    ZeRO-1/2 keep gradients in the reduction bucket and ``params_already_reduced`` flags, which make the next
+    epilogue reduce stale gradients or assert; ZeRO-3 keeps parameters in its bucket. All of it is reset, and every
+    gradient the engine holds for this step is dropped (:func:`clear_gradients`).
+    """
+    for param in engine.module.parameters():
+        param.grad = None  # ZeRO-3 reduces and drops them in the backward; its zero_grad() fails on CPU ones left
+    optimizer = engine.optimizer
+    if isinstance(optimizer, ZeROOptimizer):
+        optimizer._backward_active_depth = 0
+        optimizer.clear_backward_seen_flag()
+    _reset_reduction(optimizer)
+    clear_gradients(engine)
+
+
+def abandon_step(engine: DeepSpeedEngine) -> None:
+    """Return ``engine`` to a clean state after an exception ended ``engine.step()`` early; no collective.
+
+    ``engine.step()`` marks itself as the accumulation boundary (``_running_engine_step``) until it returns; left
+    set, every later backward would reduce as if at the boundary. The caller then clears the gradients.
+    """
+    engine._running_engine_step = False
+    _reset_reduction(engine.optimizer)
+
+
+def _reset_reduction(optimizer: Any) -> None:
+    """Empty a ZeRO optimizer's reduction buckets and its per-parameter "already reduced" flags."""
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        for bucket in optimizer.ipg_buckets.values():
+            bucket.clear()
+        optimizer._release_ipg_buffers()  # as the epilogue ends: also the offset into the partition buffer
+        optimizer.params_already_reduced[:] = [False] * len(optimizer.params_already_reduced)
+        for grads in optimizer.previous_reduced_grads.values():
+            grads.clear()
+        optimizer.extra_large_param_to_reduce.clear()
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        for bucket in optimizer.ipg_buckets.values():
+            bucket.clear_params()
+        optimizer.params_already_reduced.update(dict.fromkeys(optimizer.params_already_reduced, False))
+
+
+# ---- no_sync: gradients kept local, reduced once ------------------------------------------------------------
+
+
+def in_no_sync(engine: DeepSpeedEngine) -> bool:
+    """Whether the engine's gradients stay local (DeepSpeed's ``inside_no_sync_ctxt``, set by :func:`start_no_sync`)."""
+    return bool(getattr(engine, "inside_no_sync_ctxt", False))
+
+
+def start_no_sync(engine: DeepSpeedEngine) -> None:
+    """Keep the engine's gradients local in later backwards, as DeepSpeed's ``coalesce_grad_reduction()`` does.
+
+    ``inside_no_sync_ctxt`` stops the epilogue's reduction (stage 0/1 reduce only in ``step()`` anyway) and makes
+    ``engine.step()`` refuse to run; ZeRO-2/3's ``_coalesce_grad_reduction`` makes their gradient hooks leave whole
+    gradients in ``param.grad`` instead of bucketing them.
+    """
+    engine.inside_no_sync_ctxt = True
+    if engine.zero_optimization_partition_gradients():
+        engine.optimizer._coalesce_grad_reduction = True
+
+
+def stop_no_sync(engine: DeepSpeedEngine) -> None:
+    """Undo :func:`start_no_sync` without reducing anything."""
+    engine.inside_no_sync_ctxt = False
+    if engine.zero_optimization_partition_gradients():
+        engine.optimizer._coalesce_grad_reduction = False
+
+
+def reduce_local_gradients(engine: DeepSpeedEngine) -> None:
+    """Reduce-scatter the gradients a ZeRO-2/3 engine accumulated locally, with DeepSpeed's own flush.
+
+    ``_flush_coalesced_reduction_zero12/3`` is what ``coalesce_grad_reduction()`` runs on exit; the accumulation
+    boundary stays off here, so what is reduced adds to the partitions rather than replacing them.
+    """
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+        engine._flush_coalesced_reduction_zero3(engine.optimizer)
+    elif engine.zero_optimization_partition_gradients():
+        engine._flush_coalesced_reduction_zero12(engine.optimizer)
+
+
+# ---- reading gradients between backward and step ---------------------------------------------------------------
+
+
+def local_gradient(param: torch.nn.Parameter) -> torch.Tensor:
+    """A stage 0/1 parameter's accumulated, unreduced gradient, in fp32 (zeros if it has none).
+
+    ZeRO-1 may park it in ``grad_accum``; ``BF16_Optimizer`` (bf16 at stage 0) accumulates in ``_hp_grad``.
+    """
+    grad = param.grad if param.grad is not None else getattr(param, "grad_accum", None)
+    if grad is None:
+        grad = getattr(param, "_hp_grad", None)
+    return torch.zeros_like(param, dtype=torch.float32) if grad is None else grad.detach().float().clone()
+
+
+def full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """The parameter's whole shape, also when ZeRO-3 holds only a partition of it (``ds_shape``)."""
+    return param.ds_shape if hasattr(param, "ds_shape") else param.shape
+
+
+def gathered_gradients(
+    engine: DeepSpeedEngine, name: str, params: dict[str, torch.nn.Parameter]
+) -> dict[str, torch.Tensor]:
+    """The whole reduced gradients of a ZeRO-2/3 engine's ``params``, with DeepSpeed's ``safe_get_full_grad``.
+
+    ``safe_get_full_grad`` reads ZeRO-2's reduced fragments only at the accumulation boundary
+    (``averaged_gradients``); here they are built for it from the accumulated partition while it reads.
+
+    Raises:
+        NotImplementedError: a ZeRO-2 engine with an offloaded optimizer or an fp32 gradient accumulator, which
+            keep the reduced gradients elsewhere until ``step()``.
+    """
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        return {key: safe_get_full_grad(param) for key, param in params.items()}
+    _refuse_unexposed_fragments(optimizer, name)
+    with _reduced_fragments_exposed(optimizer):
+        return {key: safe_get_full_grad(param) for key, param in params.items()}
+
+
+def _refuse_unexposed_fragments(optimizer: DeepSpeedZeroOptimizer, name: str) -> None:
+    compact = any(optimizer._use_compact_grad_partition_buffer(i) for i in range(len(optimizer.bit16_groups)))
+    if optimizer.cpu_offload or compact:
+        setting = "`zero_optimization.offload_optimizer`" if optimizer.cpu_offload else "`data_types.grad_accum_dtype`"
+        raise NotImplementedError(
+            f"`full_gradients({name!r})` cannot read the ZeRO-2 engine {name!r} with {setting} set: DeepSpeed keeps "
+            "its reduced gradients elsewhere until `step()`. Remove the setting from that engine's config, or use "
+            "ZeRO-1 or ZeRO-3 for it."
+        )
+
+
+@contextmanager
+def _reduced_fragments_exposed(optimizer: DeepSpeedZeroOptimizer) -> Iterator[None]:
+    for index in range(len(optimizer.bit16_groups)):
+        optimizer.averaged_gradients[index] = optimizer.get_flat_partition(
+            optimizer.params_in_partition[index],
+            optimizer.first_offset[index],
+            optimizer.partition_size[index],
+            dtype=optimizer.gradient_accumulation_dtype,
+            device=get_accelerator().current_device_name(),
+            param_group_idx=index,
+            return_tensor_list=True,
+        )
+    try:
+        yield
+    finally:
+        for index in range(len(optimizer.bit16_groups)):
+            optimizer.averaged_gradients[index] = None
+
+
+# ---- precision, clipping, non-finite steps --------------------------------------------------------------------
+
+
+def loss_scale(engine: DeepSpeedEngine) -> float:
+    """The factor ``engine``'s optimizer divides gradients by in ``step()``: its fp16 loss scale, else 1.
+
+    ZeRO optimizers expose it as ``loss_scale``, ``FP16_Optimizer`` (stage 0) as ``cur_scale``.
+    """
+    if not engine.fp16_enabled():
+        return 1.0
+    scale: Any = getattr(engine.optimizer, "loss_scale", None)
+    if scale is None:
+        scale = getattr(engine.optimizer, "cur_scale", 1.0)
+    return float(scale)
+
+
+def set_gradient_clipping(engine: DeepSpeedEngine, max_norm: float) -> None:
+    """Make ``engine.step()`` clip the reduced gradients to global norm ``max_norm`` (0 turns clipping off).
+
+    The engine reads ``gradient_clipping`` from its config (``_config``) at stage 0; ZeRO and bf16 optimizers copy
+    it into ``clip_grad`` when built, so both are set.
+    """
+    engine._config.gradient_clipping = float(max_norm)
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = float(max_norm)
+
+
+def ensure_nonfinite_check(engine: DeepSpeedEngine) -> bool:
+    """Make DeepSpeed skip a step whose reduced gradients hold a NaN or inf, where it can; whether it now does.
+
+    It does already, and ``engine.skipped_steps`` grows, for fp16 engines (the loss scaler), bf16 at stage 0
+    (``BF16_Optimizer``) and ZeRO-3 (a non-finite global norm). ZeRO-1/2 check with ``check_grad_overflow`` (bf16)
+    or the global norm (fp32, ``compute_grad_norm``): a config that turns its check off gets ``check_grad_overflow``
+    back on. A plain torch optimizer (stage 0, fp32) checks nothing: False.
+    """
+    optimizer = engine.optimizer
+    if engine.fp16_enabled() or isinstance(optimizer, BF16_Optimizer | DeepSpeedZeroOptimizer_Stage3):
+        return True
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        if not (optimizer.compute_grad_norm and optimizer.dtype != torch.bfloat16):
+            optimizer.check_grad_overflow = True
+        return True
+    return False
+
+
+# ---- teardown, checkpoints, diagnostics ---------------------------------------------------------------------
+
+
+def release_engine(engine: DeepSpeedEngine) -> None:
+    """``engine.destroy()``, then drop what it leaves that would keep the engine alive as long as its module.
+
+    ``destroy()`` removes ZeRO's gradient and gather/release hooks, but not the engine's own forward hooks on the
+    module (``module_forward_pre_hook``/``_post_hook``) nor each ZeRO-3 parameter's ``_z3_optimizer`` link.
+    """
+    engine.destroy()
+    for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):
+        if handle is not None:
+            handle.remove()
+    for param in engine.module.parameters():
+        param.__dict__.pop("_z3_optimizer", None)
+
+
+def stage0_weights(engine_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+    """The module weights a stage-0 engine saved with ``engine.save_checkpoint`` (its ``mp_rank_00`` file)."""
+    states = torch.load(engine_dir / tag / "mp_rank_00_model_states.pt", weights_only=False)
+    return dict(states["module"])
+
+
+REDUCTION_CALLS: dict[int, tuple[str, str]] = {
+    # stage: (object, method) that DeepSpeed calls once per reduction round (per bucket at ZeRO-2/3)
+    0: ("engine", "buffered_allreduce_fallback"),
+    1: ("optimizer", "reduce_gradients"),
+    2: ("optimizer", "average_tensor"),
+    3: ("optimizer", "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"),
+}
+"""Where to count an engine's gradient reductions (:class:`lightning_multids.utilities.ReductionCounter`)."""
+
+
+def reduction_call(engine: DeepSpeedEngine) -> tuple[Any, str]:
+    """The object and method name that DeepSpeed calls once per gradient reduction round of ``engine``."""
+    owner, method = REDUCTION_CALLS[engine.zero_optimization_stage()]
+    return (engine if owner == "engine" else engine.optimizer), method

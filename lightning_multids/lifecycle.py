@@ -1,0 +1,325 @@
+"""The engines' lifecycle: built at setup, released at teardown, each step undone in reverse.
+
+Setup (:func:`build_engines`, fit; :func:`build_evaluation_engines`, validate/test/predict):
+
+1. plan from ``configure_optimizers`` and the configs (:mod:`lightning_multids.planning`);
+2. make whole the submodules ``configure_model`` built under ``zero.Init`` whose engine is not ZeRO-3;
+3. per engine: ``deepspeed.initialize`` (:func:`build_engine`), then :func:`attach` (the input cast, the
+   refusal of ``engine(x)``) and, for a trainable engine, the router's gradient hooks.
+
+Teardown (:func:`release_engines`) undoes 3 in reverse for every engine: the strategy's hooks, the frozen
+engine's ``train`` patch, then the engine itself (:func:`~lightning_multids.internals.release_engine`).
+No collective runs there, so it is safe after an exception on one rank.
+
+An engine is keyed by the attribute name of its submodule on the LightningModule (``"generator"``).
+The submodule stays where it is: ``self.generator`` is still the user's module, with all its
+methods and attributes, and ``engine.module is self.generator``. DeepSpeed converts it in place
+(device, dtype, ZeRO-3 partitioning, ZeRO-3 gather/release hooks).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import deepspeed
+import lightning.pytorch as pl
+import torch
+from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.zero.utils import is_zero_param
+from torch import nn
+from torch.distributed.distributed_c10d import _get_default_group
+from torch.distributed.utils import _sync_module_states
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_multids import internals
+from lightning_multids.config import engine_config, frozen_config, merge
+from lightning_multids.data import per_process_batch_size, train_loaders
+from lightning_multids.engines import EngineSet
+from lightning_multids.planning import Plan, check_batch_settings, config_scheduler, plan_engines
+from lightning_multids.precision import cast_inputs, engine_dtype
+
+
+def build_engines(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    *,
+    stage: int,
+    default: Mapping[str, Any],
+    overrides: Mapping[str, Mapping[str, Any]],
+    precision: str,
+    device_type: str = "cpu",
+    agree: Callable[[BaseException | None], None] = lambda error: None,
+) -> EngineSet:
+    """Build the engines of ``module``: trainable ones first, in ``self.optimizers()`` order, then frozen ones.
+
+    * an optimizer from ``configure_optimizers`` trains the submodule that owns its parameters;
+    * a submodule named in ``engine_configs`` whose DeepSpeed config has an ``optimizer`` section is trained by that
+      optimizer (and the config's ``scheduler``); these come after the ``configure_optimizers`` ones;
+    * any other submodule named in ``engine_configs`` becomes a frozen (inference) engine;
+    * submodules with neither an optimizer nor an entry stay plain modules on the device.
+
+    User hooks and checks run locally first; ``agree(error_or_None)`` is then called on every rank, and must
+    raise on every rank if any rank passed an error. DeepSpeed's first collective (a store barrier in
+    ``new_group``) would otherwise wait 30 minutes for a rank that failed.
+    """
+    with _agreed(agree):
+        loaders = train_loaders(trainer)
+        loader_batch = per_process_batch_size(loaders) if loaders is not None else None
+        micro = loader_batch or 1  # DeepSpeed's bookkeeping only: it never scales a gradient here
+        configs = {
+            name: engine_config(
+                name,
+                stage=stage,
+                default=default,
+                override=overrides.get(name, {}),
+                precision=precision,
+                micro_batch_size=micro,
+                device_type=device_type,
+            )
+            for name in {*overrides, *(name for name, _ in module.named_children())}
+        }
+        for name in configs:
+            check_batch_settings(name, merge(default, overrides.get(name, {})), loader_batch, trainer.world_size)
+    _unpartition_children(module, keep=lambda name: _stage(configs[name]) == 3)
+    with _agreed(agree):
+        plan = plan_engines(trainer, module, configs, overrides)
+    result = EngineSet()
+    _build_trainable(result, module, plan, configs)
+    for name, config in plan.frozen.items():
+        _add_frozen(result, name, build_frozen_engine(getattr(module, name), config))
+    _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
+    return result
+
+
+def build_evaluation_engines(
+    module: pl.LightningModule,
+    *,
+    default: Mapping[str, Any],
+    overrides: Mapping[str, Mapping[str, Any]],
+    precision: str,
+    device_type: str = "cpu",
+) -> EngineSet:
+    """For validate, test and predict: an inference engine for each submodule that ZeRO-3 holds partitioned.
+
+    Such a submodule (built under ``zero.Init`` in ``configure_model``, or left partitioned by a fit) can
+    only run its forward through ZeRO-3's gather/release hooks. Whole submodules stay plain modules.
+    """
+    result = EngineSet()
+    for name, child in module.named_children():
+        if is_partitioned(child):
+            override = merge(overrides.get(name, {}), {"zero_optimization": {"stage": 3}})
+            config = engine_config(
+                name, stage=3, default=default, override=override, precision=precision, device_type=device_type
+            )
+            _add_frozen(result, name, build_engine(child, frozen_config(name, config, {})))
+    return result
+
+
+def _build_trainable(
+    result: EngineSet, module: pl.LightningModule, plan: Plan, configs: Mapping[str, dict[str, Any]]
+) -> None:
+    for name, index in plan.matched.items():
+        optimizer = plan.optimizers[index]
+        params = [list(group["params"]) for group in optimizer.param_groups]
+        engine = build_engine(getattr(module, name), configs[name], optimizer)
+        _add_trainable(result, name, engine, optimizer, params)
+    # Schedulers from configure_optimizers stay the user's objects, in the user's order, stepped as under DDP:
+    # by the user in manual optimization, by Lightning (interval, frequency, monitor) in automatic. They act on
+    # the optimizer's param_group dicts, which DeepSpeed's optimizers (every stage, bf16) keep and read.
+    result.scheduler_configs.extend(plan.scheduler_configs)
+    for name in plan.from_config:
+        trainable = [p for p in getattr(module, name).parameters() if p.requires_grad]
+        engine = build_engine(getattr(module, name), configs[name])
+        _add_trainable(result, name, engine, internals.torch_optimizer(engine), [trainable])
+        if engine.lr_scheduler is not None:
+            result.scheduler_configs.append(config_scheduler(name, engine, plan.manual))
+    for optimizer in result.optimizers:
+        optimizer.manual = plan.manual
+    result.switched_to_manual = plan.switched
+
+
+def _add_frozen(result: EngineSet, name: str, engine: DeepSpeedEngine) -> None:
+    internals.check_engine(name, engine)
+    result.add(name, engine, attach(name, engine))
+
+
+def _add_trainable(
+    result: EngineSet, name: str, engine: DeepSpeedEngine, optimizer: Optimizer, params: list[list[nn.Parameter]]
+) -> None:
+    internals.check_engine(name, engine)
+    handles = attach(name, engine) + result.router.watch(name, engine)
+    result.add_trainable(name, engine, optimizer, params, handles)
+
+
+def release_engines(engines: EngineSet) -> None:
+    """Undo :func:`build_engines` or :func:`build_evaluation_engines` for every engine and forget them; no collective.
+
+    ``self.optimizers()`` keeps answering for the parameter groups (learning rates) after fit, as
+    under DDP, but can no longer step.
+    """
+    for optimizer in engines.optimizers:
+        optimizer.release()
+    for name, engine in engines.engines.items():
+        detach(engine, engines.handles.get(name, []))
+    engines.forget()
+
+
+def build_engine(
+    module: nn.Module,
+    config: dict[str, Any],
+    optimizer: Optimizer | None = None,
+    scheduler: Any = None,
+) -> DeepSpeedEngine:
+    """Wrap ``module`` in a DeepSpeed engine with ``optimizer`` and ``scheduler`` (owned by the engine).
+
+    Without ``optimizer``, DeepSpeed builds one from the config's ``optimizer`` section if it has one,
+    over the module's trainable parameters. The engine steps its scheduler in ``engine.step()``.
+    """
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        optimizer=optimizer,
+        model_parameters=None if optimizer is not None else [p for p in module.parameters() if p.requires_grad],
+        lr_scheduler=scheduler,
+        config=config,
+        dist_init_required=False,
+    )
+    return engine
+
+
+def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
+    """Add what the strategy needs around a built engine; return the handles that :func:`detach` removes.
+
+    Floating-point inputs of the submodule are cast to the engine's dtype on entry, and calling the
+    engine itself is refused (:func:`refuse_direct_calls`).
+    """
+    refuse_direct_calls(name, engine)
+    return [engine.module.register_forward_pre_hook(cast_inputs(engine_dtype(engine)), with_kwargs=True)]
+
+
+def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:
+    """Undo :func:`attach`, the router's hooks (in ``handles``) and the frozen eval patch; release the engine.
+
+    The engine goes through :func:`~lightning_multids.internals.release_engine`.
+
+    A ZeRO-3 submodule stays partitioned:
+    ``deepspeed.zero.GatheredParameters`` reads it, and the next fit or evaluation builds an engine on it.
+    A whole submodule of a bf16/fp16 engine goes back to torch's default dtype.
+    """
+    for handle in handles:
+        handle.remove()
+    engine.module.__dict__.pop("train", None)
+    internals.release_engine(engine)
+    if engine_dtype(engine) != torch.float32 and not is_partitioned(engine.module):
+        # Without the input cast, a bf16/fp16 module would fail on fp32 inputs outside fit. Back in fp32 it runs
+        # as under DDP with mixed precision; a ZeRO-3 one gets an engine (and its cast) again when evaluated.
+        engine.module.to(torch.get_default_dtype())
+
+
+def build_frozen_engine(module: nn.Module, config: dict[str, Any]) -> DeepSpeedEngine:
+    """Wrap ``module`` in an inference engine: no gradients, no optimizer, always in eval mode.
+
+    ``Trainer.fit`` puts the LightningModule in train mode at every epoch; the frozen submodule ignores it
+    until :func:`detach`.
+    """
+    module.requires_grad_(False)
+    module.eval()
+    module.train = types.MethodType(_stay_in_eval, module)  # type: ignore[method-assign]
+    return build_engine(module, config)
+
+
+def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:
+    return nn.Module.train(module, False)
+
+
+def refuse_direct_calls(name: str, engine: DeepSpeedEngine) -> None:
+    """Make calling the engine itself (``engine(x)``) an error that points to the submodule.
+
+    ``DeepSpeedEngine.forward`` registers DeepSpeed's own backward hooks on the outputs, which run a
+    second prologue beside the strategy's routing and leave the engine's backward state broken.
+    """
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"The DeepSpeed engine {name!r} was called directly. Call the submodule instead (`self.{name}(x)` in "
+            "the LightningModule): MultiDeepSpeedStrategy routes each backward through the engines itself, and "
+            "`engine(x)` would add DeepSpeed's own backward hooks beside it."
+        )
+
+    engine.forward = forward  # type: ignore[method-assign]
+
+
+@contextmanager
+def _agreed(agree: Callable[[BaseException | None], None]) -> Iterator[None]:
+    """Run local work, then tell ``agree`` whether it failed (``agree`` raises if any rank's did)."""
+    try:
+        yield
+    except Exception as error:
+        agree(error)
+        raise
+    agree(None)
+
+
+def _stage(config: Mapping[str, Any]) -> int:
+    return int(config["zero_optimization"].get("stage", 0))
+
+
+def _unpartition_children(module: pl.LightningModule, keep: Callable[[str], bool]) -> None:
+    """Make whole again the submodules ``configure_model`` built under ``zero.Init`` that ``keep`` rejects.
+
+    Every rank reaches the same decisions, so the collective gathers line up.
+    """
+    for name, child in module.named_children():
+        if is_partitioned(child) and not keep(name):
+            unpartition(child)
+
+
+def zero3_init(config: dict[str, Any]) -> Any:
+    """A ``deepspeed.zero.Init`` context: modules built inside it are partitioned as they are created."""
+    return deepspeed.zero.Init(config_dict_or_path=config, mem_efficient_linear=False)
+
+
+def is_partitioned(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters partitioned by ZeRO-3 (built under ``zero.Init``)."""
+    return any(is_zero_param(param) for param in module.parameters())
+
+
+def unpartition(module: nn.Module) -> None:
+    """Replace the ZeRO-3-partitioned parameters of ``module`` by whole, ordinary ones (a collective call).
+
+    Used for submodules built under ``zero.Init`` in ``configure_model`` whose engine is not ZeRO-3.
+    The parameter objects change, so this must run before an optimizer holds them. A parameter shared
+    by several modules (tied weights) becomes one whole parameter, still shared. Floating-point ones get
+    torch's default dtype, as if built without ``zero.Init`` (whose dtype is the ZeRO-3 engines').
+    """
+    partitioned = [param for param in module.parameters() if is_zero_param(param)]
+    dtype = torch.get_default_dtype()  # what it would have been built in without zero.Init; its engine casts
+    whole: dict[nn.Parameter, nn.Parameter] = {}
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        for child in module.modules():
+            for name, param in list(child._parameters.items()):
+                if param is not None and is_zero_param(param):
+                    if param not in whole:
+                        data = param.data.to(dtype) if param.is_floating_point() else param.data
+                        whole[param] = nn.Parameter(data.clone(), requires_grad=param.requires_grad)
+                    child._parameters[name] = whole[param]
+
+
+def sync_replicated_states(module: nn.Module) -> None:
+    """Broadcast rank 0's parameters and buffers to every rank, as DDP does outside fit; a collective call.
+
+    ZeRO-3 partitions are left alone (each rank holds its own part), as are the names DDP's convention lists in
+    ``module._ddp_params_and_buffers_to_ignore``.
+    """
+    if not torch.distributed.is_initialized():
+        return
+    ignore = {name for name, param in module.named_parameters() if is_zero_param(param)}
+    ignore |= set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    _sync_module_states(module, _get_default_group(), _BROADCAST_BUCKET_BYTES, 0, ignore)
+
+
+_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
+"""DDP's broadcast bucket size (Lightning's ``_sync_module_states`` uses the same)."""

@@ -1,0 +1,38 @@
+"""What happens to a step whose reduced gradients hold a NaN or inf: it is applied by no rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from deepspeed import DeepSpeedEngine
+from torch.utils.hooks import RemovableHandle
+
+from lightning_multids import internals
+
+
+class NonFiniteGradients(FloatingPointError):
+    """Raised in ``engine.step()`` when the reduced gradients hold a NaN or inf (:func:`skip_nonfinite_steps`)."""
+
+
+def skip_nonfinite_steps(engine: DeepSpeedEngine) -> RemovableHandle | None:
+    """Make ``engine.step()`` apply no update, on every rank alike, when its reduced gradients hold a NaN or inf.
+
+    The check runs on the gradients after the reduction, where every rank sees the same verdict, so it
+    costs no collective of its own. DeepSpeed's optimizers check already, or are made to
+    (:func:`~lightning_multids.internals.ensure_nonfinite_check`), and skip the step (``engine.skipped_steps``
+    grows). A plain torch optimizer (stage 0, fp32) checks nothing: a step pre-hook on it raises
+    :class:`NonFiniteGradients` before it updates anything (the reduced gradients are the same on every rank
+    at stage 0, so every rank raises); its handle is returned, for teardown.
+    """
+    if internals.ensure_nonfinite_check(engine) or not isinstance(engine.optimizer, torch.optim.Optimizer):
+        return None
+    return engine.optimizer.register_step_pre_hook(_refuse_nonfinite)
+
+
+def _refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # One sum per gradient, no full-size temporary: a NaN or inf anywhere makes the total non-finite. (Finite
+    # values whose sum overflows would too; no real gradient sums past 3e38.)
+    sums = [p.grad.sum() for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if sums and not torch.isfinite(torch.stack(sums).sum()):
+        raise NonFiniteGradients

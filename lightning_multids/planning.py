@@ -1,0 +1,213 @@
+"""Planning at setup, before any engine exists: which engines to build, and what the user's code asks of them.
+
+``configure_optimizers`` is called once (:func:`collect_optimizers`); a module with several trainable
+engines is switched to manual optimization. The configs decide which submodules get a frozen engine.
+Settings that cannot work are refused here, and user hooks that would misread ZeRO's gradients are warned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from deepspeed import DeepSpeedEngine
+from lightning.pytorch.core.optimizer import (
+    _configure_optimizers,
+    _configure_schedulers_automatic_opt,
+    _configure_schedulers_manual_opt,
+    _validate_optimizers_attached,
+    _validate_scheduler_api,
+)
+from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch.optim import Optimizer
+
+from lightning_multids.config import frozen_config
+from lightning_multids.discovery import match_optimizers
+from lightning_multids.optimizer import EngineScheduler
+
+
+@dataclass
+class Plan:
+    """What ``configure_optimizers`` and the configs decide, before any engine exists."""
+
+    optimizers: list[Optimizer]
+    scheduler_configs: list[LRSchedulerConfig]
+    matched: dict[str, int]
+    from_config: list[str]
+    frozen: dict[str, dict[str, Any]]
+    manual: bool
+    switched: bool
+
+
+def plan_engines(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    configs: Mapping[str, dict[str, Any]],
+    overrides: Mapping[str, Mapping[str, Any]],
+) -> Plan:
+    """Decide, from ``configure_optimizers`` and the resolved ``configs``, which engines to build and how."""
+    from_config = [name for name in overrides if "optimizer" in configs[name]]
+    automatic = module.automatic_optimization
+    optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
+    matched = match_optimizers(module, optimizers)
+    for name in matched:
+        _check_one_optimizer(name, configs[name])
+    frozen = {
+        name: frozen_config(name, configs[name], overrides[name])
+        for name in overrides
+        if name not in matched and name not in from_config
+    }
+    manual = not module.automatic_optimization
+    return Plan(optimizers, scheduler_configs, matched, from_config, frozen, manual, switched=automatic and manual)
+
+
+def collect_optimizers(
+    trainer: pl.Trainer, module: pl.LightningModule, num_config_optimizers: int = 0
+) -> tuple[list[Optimizer], list[LRSchedulerConfig]]:
+    """Call ``configure_optimizers``; with several trainable engines, switch the module to manual optimization.
+
+    Args:
+        trainer: the Trainer.
+        module: the LightningModule.
+        num_config_optimizers: how many engines get their optimizer from their DeepSpeed config.
+    """
+    conf = call._call_lightning_module_hook(trainer, "configure_optimizers", pl_module=module)
+    if conf is None and not num_config_optimizers:
+        raise ValueError(
+            f"`{type(module).__name__}.configure_optimizers` returned None, so no engine would train. Return one "
+            "optimizer per submodule to train, e.g. `[Adam(self.generator.parameters()), "
+            "Adam(self.discriminator.parameters())]`, or give an engine an `optimizer` section in its DeepSpeed config."
+        )
+    optimizers, schedulers, monitor = _configure_optimizers(conf) if conf is not None else ([], [], None)
+    total = len(optimizers) + num_config_optimizers
+    if total > 1 and module.automatic_optimization:
+        _refuse_accumulation_in_manual(trainer, module, total)
+        module.automatic_optimization = False
+        if module.automatic_optimization:
+            raise ValueError(
+                f"`{type(module).__name__}` has {total} trainable engines but keeps `automatic_optimization` True. "
+                "Lightning's automatic loop steps one optimizer; remove the `automatic_optimization` override "
+                "(MultiDeepSpeedStrategy switches to manual optimization) and step each optimizer in `training_step`."
+            )
+        rank_zero_info(
+            f"MultiDeepSpeedStrategy: {total} trainable engines, so `{type(module).__name__}` runs manual "
+            "optimization: call `self.manual_backward(loss)` and `opt.step()` in `training_step`."
+        )
+    if module.automatic_optimization:
+        configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+    else:
+        configs = _configure_schedulers_manual_opt(schedulers)
+    _validate_optimizers_attached(optimizers, configs)
+    _validate_scheduler_api(configs, module)
+    return optimizers, configs
+
+
+def _refuse_accumulation_in_manual(trainer: pl.Trainer, module: pl.LightningModule, total: int) -> None:
+    """Lightning refuses ``accumulate_grad_batches`` in manual optimization before setup; the switch comes later."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})`: `{type(module).__name__}` has "
+            f"{total} trainable engines, so it runs manual optimization, where Lightning does not accumulate "
+            "gradients. Remove the setting and accumulate in `training_step` (call `self.manual_backward(loss / N)` "
+            "for N batches, then `opt.step()` and `opt.zero_grad()`), or train one engine."
+        )
+
+
+def _check_one_optimizer(name: str, config: Mapping[str, Any]) -> None:
+    for key in ("optimizer", "scheduler"):
+        if key in config:
+            raise ValueError(
+                f"The engine {name!r} gets an optimizer from `configure_optimizers` and its DeepSpeed config has an "
+                f"`{key}` section too. An engine has one optimizer: remove the `{key}` section from its config, or "
+                f"stop returning an optimizer over `self.{name}.parameters()`."
+            )
+
+
+def check_batch_settings(name: str, config: Mapping[str, Any], loader_batch: int | None, world_size: int) -> None:
+    """Raise if the engine's batch-size settings contradict the training dataloader.
+
+    Gradient accumulation is owned by the loop here, so a DeepSpeed batch is one dataloader batch per
+    process: ``train_micro_batch_size_per_gpu`` must equal it and ``train_batch_size`` be it times the ranks.
+    """
+    if loader_batch is None:
+        return
+    micro = config.get("train_micro_batch_size_per_gpu")
+    total = config.get("train_batch_size")
+    if micro is not None and micro != loader_batch:
+        setting, expected = f"train_micro_batch_size_per_gpu={micro}", loader_batch
+    elif total is not None and total != loader_batch * world_size:
+        setting, expected = f"train_batch_size={total}", loader_batch * world_size
+    else:
+        return
+    raise ValueError(
+        f"The DeepSpeed config for the engine {name!r} sets {setting}, but the training dataloader gives "
+        f"{loader_batch} samples per process on {world_size} processes ({expected} here). Remove the setting (it is "
+        "derived from the dataloader) or change the dataloader's batch size."
+    )
+
+
+def config_scheduler(name: str, engine: DeepSpeedEngine, manual: bool) -> LRSchedulerConfig:
+    """Show the scheduler of a DeepSpeed config's ``scheduler`` section to Lightning.
+
+    In manual optimization the engine steps it in ``opt.step()`` and ``self.lr_schedulers()`` shows it
+    wrapped so that a second ``step()`` is refused; in automatic optimization Lightning steps it per
+    optimizer step, as it steps the others.
+    """
+    if manual:
+        return LRSchedulerConfig(EngineScheduler(name, engine.lr_scheduler), interval="step")  # type: ignore[arg-type]
+    config = LRSchedulerConfig(engine.lr_scheduler, interval="step")
+    engine.lr_scheduler = None
+    return config
+
+
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def _overridden(module: pl.LightningModule, hook: str) -> bool:
+    return getattr(type(module), hook) is not getattr(pl.LightningModule, hook)
+
+
+def warn_gradient_readers(module: pl.LightningModule, engines: Mapping[str, DeepSpeedEngine]) -> None:
+    """Warn where user hooks would read ``param.grad`` that ZeRO-2/3 leaves None, or would never be called.
+
+    Args:
+        module: the LightningModule.
+        engines: its trainable engines by name.
+    """
+    partitioned = sorted(name for name, e in engines.items() if e.zero_optimization_partition_gradients())
+    readers = [hook for hook in _GRADIENT_HOOKS if _overridden(module, hook)]
+    name = type(module).__name__
+    if partitioned and readers:
+        rank_zero_warn(
+            f"`{name}` overrides {', '.join(f'`{h}`' for h in readers)}: the ZeRO-2/3 engines {partitioned} keep only "
+            "their reduced partition, so `param.grad` is None between backward and step (Lightning's `grad_norm` "
+            "returns nothing). Read `self.trainer.strategy.full_gradients(name)` there instead."
+        )
+    if not _overridden(module, "configure_gradient_clipping"):
+        return
+    if not module.automatic_optimization:
+        rank_zero_warn(
+            f"`{name}` overrides `configure_gradient_clipping`, which Lightning calls only in automatic optimization; "
+            f"`{name}` runs manual optimization ({len(engines)} engines). Clip in `training_step` with "
+            "`self.clip_gradients(opt, gradient_clip_val=...)` before `opt.step()`."
+        )
+    elif partitioned:
+        rank_zero_warn(
+            f"`{name}` overrides `configure_gradient_clipping`: only `self.clip_gradients(...)` calls in it take "
+            f"effect (DeepSpeed clips inside `step()`); `param.grad` is None there for the ZeRO-2/3 engines "
+            f"{partitioned}."
+        )
+
+
+def check_clip_algorithm(trainer: pl.Trainer) -> None:
+    """Refuse ``Trainer(gradient_clip_algorithm=...)`` other than norm: DeepSpeed clips by global norm only."""
+    algorithm = str(getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm or "norm"))
+    if trainer.gradient_clip_val and algorithm != "norm":
+        raise ValueError(
+            f"`Trainer(gradient_clip_algorithm={algorithm!r})` is not available: DeepSpeed "
+            "clips by global norm. Use `gradient_clip_algorithm='norm'`."
+        )

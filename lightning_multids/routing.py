@@ -1,0 +1,189 @@
+"""Route one ``loss.backward()`` through the backward prologue and epilogue of every engine it reaches.
+
+DeepSpeed drives a backward with two pieces of per-engine state machinery:
+
+* the *prologue* (what ``engine.backward`` runs before autograd): enter the ZeRO optimizer's backward
+  context, set the accumulation boundary on the optimizer, queue a post-backward callback;
+* the *epilogue* (what it runs after): reduce (stage 0/1 at the boundary) or
+  finish reducing (stage 2/3) the gradients, then leave the backward context.
+
+Left to itself, DeepSpeed runs the prologue from tensor hooks that ``engine.forward`` registers on
+every output and the epilogue from an autograd callback. That is correct for one forward per engine
+per backward, and wrong for the patterns people write in GANs (DeepSpeed 0.19, measured):
+
+* an engine called twice before one backward (``D(real)``, ``D(fake)``) runs the prologue twice,
+  its backward depth reaches 2 and the epilogue is skipped: nothing is reduced;
+* a loss that flows through a second trained engine (``D(G(z))`` backpropagated for ``G``) reduces
+  ``D``'s gradients without ``D``'s epilogue, so ``D``'s next backward fails;
+* a chained loss divides ``G``'s gradients by the accumulation steps once per engine it crosses.
+
+So the strategy takes explicit control instead. Submodules are called directly (never through
+``engine.forward``), which registers no output hooks and no per-forward prologue. :meth:`Router.routed`
+takes the trainable engines whose parameters the loss's graph reaches (:mod:`lightning_multids.discovery`),
+runs each one's prologue exactly once, in name order, runs ``loss.backward()`` once, then each one's
+epilogue exactly once, in name order (the same collective order on every rank). An engine hidden behind a
+reentrant checkpoint is entered when its first gradient arrives (:meth:`Router.watch`).
+Marking each engine as "inside engine.backward" tells DeepSpeed's own post-backward callback to leave
+the epilogue to us, exactly as ``DeepSpeedEngine.backward`` does for itself.
+The DeepSpeed calls themselves (prologue, epilogue, the marks) are in :mod:`lightning_multids.internals`.
+What still comes from DeepSpeed's hooks: the ZeRO per-parameter gradient hooks (bucketing and
+reduce-scatter at stage 2/3) and the ZeRO-3 module hooks that gather and release parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from deepspeed import DeepSpeedEngine
+from torch.utils.hooks import RemovableHandle
+
+from lightning_multids import internals
+from lightning_multids.discovery import Reach
+
+
+@dataclass
+class _Phases:
+    """Where one engine is in a routed backward: gradients not yet reduced, and nested graph tasks closed."""
+
+    pending: bool = False
+    ended: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Route:
+    """One routed backward: every trainable engine by name, and the ones entered so far.
+
+    Engines are entered (prologue) before the backward in name order, and any engine whose first
+    gradient arrives during it (behind a reentrant checkpoint) is entered then; epilogues run after it
+    in name order. Every rank runs the same code on the same graph, so every rank enters the same
+    engines and runs their epilogues (collectives at ZeRO-2/3) in the same order.
+    """
+
+    engines: Mapping[str, DeepSpeedEngine]
+    entered: dict[str, _Phases] = field(default_factory=dict)
+    root_task: int = -1
+
+    def enter(self, name: str) -> _Phases:
+        """Run ``name``'s prologue and mark it as inside a backward (``internals.enter_backward``)."""
+        phases = self.entered[name] = _Phases()
+        internals.enter_backward(self.engines[name])
+        return phases
+
+    def finish(self) -> None:
+        """Run the epilogue of every entered engine, in name order, after a backward that completed.
+
+        At ZeRO-2, when every gradient was already reduced at the end of a nested phase (an engine wholly
+        inside a reentrant checkpoint), the epilogue runs without its reduction: ZeRO-2 cannot reduce an
+        empty bucket.
+        """
+        for name in sorted(self.entered):
+            engine, phases = self.engines[name], self.entered[name]
+            nothing_left = bool(phases.ended) and not phases.pending
+            stage2_done = nothing_left and engine.zero_optimization_stage() == 2 and not internals.in_no_sync(engine)
+            internals.end_backward(engine, reduce=not stage2_done)
+
+    def abandon(self) -> None:
+        """After an exception: reset every entered engine and drop its gradients of this step (no collective)."""
+        for name in sorted(self.entered):
+            internals.abandon_backward(self.engines[name])
+
+    def leave(self) -> None:
+        """Take every entered engine out of the backward, whether or not it completed."""
+        for name in self.entered:
+            internals.leave_backward(self.engines[name])
+
+
+class Router:
+    """Routes each backward through the engines it reaches; holds the backward running now, for the gradient hooks.
+
+    Not thread-local: autograd runs a CUDA backward, and so the parameter hooks, on its own device thread.
+    """
+
+    def __init__(self) -> None:
+        self.current: Route | None = None
+
+    def watch(self, name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
+        """Hook ``engine``'s trainable parameters (once, at setup) so a routed backward sees their gradients arrive.
+
+        Returns the hooks' handles, for teardown.
+
+        The hook is a tensor hook, so it runs before the gradient is accumulated and before ZeRO's own
+        reduction hooks (which DeepSpeed registers after accumulation). It does two things:
+
+        * it enters the engine if the walk did not (its parameters were behind a reentrant checkpoint);
+        * under reentrant activation checkpointing every checkpointed segment runs its own nested backward
+          (its own autograd graph task). A parameter used in two segments (a checkpointed discriminator
+          called on real and on fake data) then receives its gradient twice in one backward, which ZeRO-2/3
+          can only reduce if an epilogue runs in between. DeepSpeed's post-backward callback runs once, at
+          the end of the outer graph task, so the router closes each nested phase itself.
+        """
+        return [
+            param.register_hook(functools.partial(self._on_gradient, name, engine))
+            for param in engine.module.parameters()
+            if param.requires_grad
+        ]
+
+    def _on_gradient(self, name: str, engine: DeepSpeedEngine, grad: torch.Tensor) -> None:
+        route = self.current
+        if route is None or route.engines.get(name) is not engine:
+            return
+        phases = route.entered.get(name) or route.enter(name)
+        phases.pending = True
+        task = torch._C._current_graph_task_id()  # torch-private (2.11-2.13): which (nested) backward runs
+        if task in (route.root_task, -1) or task in phases.ended:
+            return
+        phases.ended.add(task)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_phase(engine, phases))
+
+    @contextmanager
+    def routed(self, loss: torch.Tensor, engines: Mapping[str, DeepSpeedEngine], reach: Reach) -> Iterator[Route]:
+        """Run the body (one ``loss.backward()``) inside the prologue/epilogue of every engine it reaches.
+
+        Args:
+            loss: the tensor the body backpropagates.
+            engines: every trainable engine, by name; each must be watched (:meth:`watch`).
+            reach: what the walk found; those engines are entered before the body, in name order.
+
+        On an exception (a CUDA out-of-memory error that the caller may catch and go on from) no epilogue
+        runs, since it would reduce on this rank alone: every entered engine is reset and drops its gradients
+        of this step (:func:`~lightning_multids.internals.abandon_backward`), and leaves the backward.
+        """
+        route = Route(engines)
+
+        def record_root(grad: torch.Tensor) -> torch.Tensor:
+            route.root_task = torch._C._current_graph_task_id()
+            return grad
+
+        handle = loss.register_hook(record_root) if loss.requires_grad else None
+        previous, self.current = self.current, route
+        try:
+            for name in sorted(reach.names):
+                route.enter(name)
+            yield route
+            route.finish()
+        except BaseException:
+            route.abandon()
+            raise
+        finally:
+            self.current = previous
+            route.leave()
+            if handle is not None:
+                handle.remove()
+
+
+def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:
+    """At the end of a nested graph task: reduce-scatter what arrived (ZeRO-2/3) before more arrives.
+
+    Only the reduction runs here, not the whole epilogue: ZeRO-3's also releases every submodule
+    still on the backward stack, which the outer backward needs. At stage 0/1 a backward only
+    accumulates locally, so a gradient arriving twice needs nothing.
+    """
+    if not phases.pending or internals.in_no_sync(engine):  # no_sync: the gradients accumulate locally
+        return
+    phases.pending = False
+    if engine.zero_optimization_partition_gradients():
+        internals.reduce_phase(engine)
