@@ -113,6 +113,16 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """The DeepSpeed engines from setup to teardown, keyed by submodule name, in optimizer order."""
         return dict(self._engine_set.engines)
 
+    @property  # type: ignore[override]
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's default checkpoint IO, used only to remove old checkpoint directories."""
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        # Lightning's connector sets a CheckpointIO from `Trainer(plugins=...)` here.
+        _refuse_checkpoint_io(io)
+
     # ---- precision: Lightning hands us its plugin; keep only the flag --------------------------------
 
     @property  # type: ignore[override]
@@ -436,7 +446,7 @@ def _refuse_checkpoint_io(checkpoint_io: CheckpointIO | None) -> None:
         raise ValueError(
             f"MultiDeepSpeedStrategy got `checkpoint_io={type(checkpoint_io).__name__}(...)`, which it cannot use: "
             "each DeepSpeed engine writes its own part of a checkpoint directory. Remove the `checkpoint_io` argument "
-            "(and any CheckpointIO from `Trainer(plugins=...)`)."
+            "or the CheckpointIO from `Trainer(plugins=...)`."
         )
 
 

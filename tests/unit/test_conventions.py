@@ -1,0 +1,126 @@
+"""Lightning's and DeepSpeed's conventions: the supported DeepSpeed, step hooks, checkpoint IO, logging, renames."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import lightning_multids
+from lightning_multids import MultiDeepSpeedStrategy, internals
+from lightning_multids.internals import UnsupportedDeepSpeed
+from lightning_multids.optimizer import EngineOptimizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_deepspeed_outside_the_supported_range_is_refused() -> None:
+    for version in ("0.20.0", "0.19.7", "0.18.3"):
+        with pytest.raises(UnsupportedDeepSpeed, match=rf">=0.19.8,<0.20; this is DeepSpeed {version}.*pip install"):
+            internals.check_deepspeed(version)
+    internals.check_deepspeed("0.19.9+cu121")  # a local build of a supported release
+    internals.check_deepspeed()  # the installed one
+
+
+def test_setup_refuses_an_unsupported_deepspeed_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("deepspeed.__version__", "0.20.1")
+    with pytest.raises(UnsupportedDeepSpeed, match="this is DeepSpeed 0.20.1"):
+        MultiDeepSpeedStrategy().setup_distributed()
+
+
+def test_a_deepspeed_without_a_method_used_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(DeepSpeedEngine, "_backward_prologue")
+    with pytest.raises(UnsupportedDeepSpeed, match=r"`DeepSpeedEngine._backward_prologue`.*>=0.19.8,<0.20"):
+        internals.check_deepspeed()
+
+
+def test_an_engine_without_an_attribute_used_is_refused() -> None:
+    engine = SimpleNamespace(**dict.fromkeys(internals._ENGINE_ATTRIBUTES), optimizer=None)
+    internals.check_engine("generator", engine)  # type: ignore[arg-type]
+    del engine.inside_no_sync_ctxt
+    with pytest.raises(UnsupportedDeepSpeed, match=r"`DeepSpeedEngine.inside_no_sync_ctxt` \(engine 'generator'\)"):
+        internals.check_engine("generator", engine)  # type: ignore[arg-type]
+    engine.inside_no_sync_ctxt = False
+    engine.optimizer = object.__new__(DeepSpeedZeroOptimizer)  # none of its instance attributes
+    with pytest.raises(UnsupportedDeepSpeed, match=r"`DeepSpeedZeroOptimizer.ipg_buckets` \(engine 'generator'\)"):
+        internals.check_engine("generator", engine)  # type: ignore[arg-type]
+
+
+def test_without_deepspeed_the_import_says_how_to_install_it() -> None:
+    code = "import sys; sys.modules['deepspeed'] = None; import lightning_multids"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False)
+    assert result.returncode != 0
+    assert "lightning_multids needs DeepSpeed" in result.stderr
+    assert "pip install 'deepspeed>=0.19.8,<0.20'" in result.stderr
+
+
+def test_optimizer_step_hooks_run_around_each_engine_step() -> None:
+    """Hooks on ``self.optimizers()`` (a LightningOptimizer), on the optimizer itself and torch's global ones."""
+    calls: list[str] = []
+    module = nn.Linear(2, 2)
+    engine = SimpleNamespace(
+        module=module,
+        optimizer=None,
+        fp16_enabled=lambda: False,
+        global_steps=0,
+        skipped_steps=0,
+        step=lambda: calls.append("engine.step"),
+        zero_grad=lambda: None,
+    )
+    optimizer = EngineOptimizer("generator", engine, torch.optim.SGD(module.parameters()), [list(module.parameters())])  # type: ignore[arg-type]
+    LightningOptimizer(optimizer).register_step_pre_hook(lambda *_: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+    handle = register_optimizer_step_pre_hook(lambda *_: calls.append("global pre"))
+    try:
+        optimizer.has_gradients = True
+        optimizer.step()
+    finally:
+        handle.remove()
+    assert calls == ["global pre", "pre", "engine.step", "post"]
+
+
+def test_a_checkpoint_io_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"checkpoint_io=TorchCheckpointIO\(...\)`.*Remove the `checkpoint_io`"):
+        MultiDeepSpeedStrategy(checkpoint_io=TorchCheckpointIO())
+    with pytest.raises(ValueError, match=r"the CheckpointIO from `Trainer\(plugins=...\)`"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=MultiDeepSpeedStrategy(), plugins=[TorchCheckpointIO()])
+
+
+def test_a_failure_is_logged_with_its_rank(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.ERROR, logger="lightning_multids"):
+        MultiDeepSpeedStrategy().on_exception(RuntimeError("Connection closed by peer"))
+    assert "[rank 0] MultiDeepSpeedStrategy: RuntimeError: Connection closed by peer" in caplog.text
+    assert "another rank stopped" in caplog.text
+
+
+def test_the_engines_argument_is_renamed_engine_configs() -> None:
+    override = {"discriminator": {"zero_optimization": {"stage": 3}}}
+    with pytest.deprecated_call(match=r"`MultiDeepSpeedStrategy\(engines=...\)` is deprecated.*`engine_configs=...`"):
+        strategy = MultiDeepSpeedStrategy(engines=override)  # type: ignore[arg-type]
+    assert strategy.engine_overrides == override
+    assert MultiDeepSpeedStrategy(engine_configs=override).engine_overrides == override  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="both `engine_configs=` and `engines=`"):
+        MultiDeepSpeedStrategy(engines={}, engine_configs={})
+
+
+def test_moved_utilities_keep_their_old_import_paths() -> None:
+    with pytest.deprecated_call(match="Import it from `lightning_multids.utilities.gradcache`"):
+        from lightning_multids.gradcache import grad_cache
+    assert grad_cache is lightning_multids.utilities.grad_cache
+    with pytest.deprecated_call(match="Import it from `lightning_multids.utilities.reductions`"):
+        from lightning_multids.diagnostics import ReductionCounter
+    assert ReductionCounter is lightning_multids.utilities.ReductionCounter
+    with pytest.raises(ImportError):
+        from lightning_multids.gradcache import _RandomState  # noqa: F401  (private names did not move publicly)
