@@ -101,12 +101,21 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         )
         self.stage = validate_stage(stage, what="MultiDeepSpeedStrategy(stage=...)")
         self.config = load_config(config, what="every engine (`config=`)")
-        self.engine_overrides = {
+        self.engine_configs = {
             name: load_config(source, what=f"the engine {name!r}")
             for name, source in _renamed_engines_argument(engine_configs, engines).items()
         }
         self.save_frozen = save_frozen
         self._engine_set = EngineSet()
+
+    @property
+    def engine_overrides(self) -> dict[str, dict[str, Any]]:
+        """Deprecated name of :attr:`engine_configs`."""
+        rank_zero_deprecation(
+            "`MultiDeepSpeedStrategy.engine_overrides` is deprecated and will be removed in a future release. "
+            "Read `strategy.engine_configs` instead."
+        )
+        return self.engine_configs
 
     @property
     def engines(self) -> dict[str, DeepSpeedEngine]:
@@ -168,7 +177,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self.model_to_device()
         module = self.lightning_module
         assert module is not None
-        check_engine_names(module, self.engine_overrides)
+        check_engine_names(module, self.engine_configs)
         if fitting:
             self._setup_fit(trainer, module)
         else:
@@ -176,7 +185,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             self._engine_set = build_evaluation_engines(
                 module,
                 default=self.config,
-                overrides=self.engine_overrides,
+                overrides=self.engine_configs,
                 precision=str(self.precision_plugin.precision),
                 device_type=self.root_device.type,
             )
@@ -189,13 +198,13 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             module,
             stage=self.stage,
             default=self.config,
-            overrides=self.engine_overrides,
+            overrides=self.engine_configs,
             precision=str(self.precision_plugin.precision),
             device_type=self.root_device.type,
             agree=self._agree_on_failure,
         )
         if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
-            self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_overrides)
+            self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_configs)
         warn_gradient_readers(module, self._engine_set.trainable_engines)
         self.optimizers = list[Optimizer](self._engine_set.optimizers)
         self.lr_scheduler_configs = self._engine_set.scheduler_configs
@@ -226,7 +235,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ``offload_param``), which they must share (see :func:`~lightning_multids.config.zero3_init_config`).
         """
         config = zero3_init_config(
-            self.stage, self.config, self.engine_overrides, precision=str(self.precision_plugin.precision)
+            self.stage, self.config, self.engine_configs, precision=str(self.precision_plugin.precision)
         )
         if config is None:
             yield

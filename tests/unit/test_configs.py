@@ -48,7 +48,7 @@ def test_config_parses_and_its_strategy_builds(path: Path, monkeypatch: pytest.M
     built = MultiDeepSpeedStrategy(**dict(strategy.init_args))
     for name, source in (strategy.init_args.get("engines") or {}).items():
         if isinstance(source, str):
-            assert built.engine_overrides[name] == json.loads((REPO / source).read_text())
+            assert built.engine_configs[name] == json.loads((REPO / source).read_text())
 
 
 def test_a_wrong_strategy_argument_is_refused_at_parse_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -109,8 +109,10 @@ def test_the_engines_argument_is_renamed_engine_configs() -> None:
     override = {"discriminator": {"zero_optimization": {"stage": 3}}}
     with pytest.deprecated_call(match=r"`MultiDeepSpeedStrategy\(engines=...\)` is deprecated.*`engine_configs=...`"):
         strategy = MultiDeepSpeedStrategy(engines=override)  # type: ignore[arg-type]
-    assert strategy.engine_overrides == override
-    assert MultiDeepSpeedStrategy(engine_configs=override).engine_overrides == override  # type: ignore[arg-type]
+    assert strategy.engine_configs == override
+    assert MultiDeepSpeedStrategy(engine_configs=override).engine_configs == override  # type: ignore[arg-type]
+    with pytest.deprecated_call(match="Read `strategy.engine_configs` instead"):
+        assert strategy.engine_overrides == override
     with pytest.raises(ValueError, match="both `engine_configs=` and `engines=`"):
         MultiDeepSpeedStrategy(engines={}, engine_configs={})
 
