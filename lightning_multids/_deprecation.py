@@ -23,3 +23,22 @@ def moved_module(old: str, new: str) -> Callable[[str], Any]:
         return getattr(module, name)
 
     return __getattr__
+
+
+def engine_configs_argument(
+    engine_configs: dict[str, dict[str, Any] | str] | None, engines: dict[str, dict[str, Any] | str] | None
+) -> dict[str, dict[str, Any] | str]:
+    """The per-engine configs, from ``engine_configs`` or its deprecated name ``engines``."""
+    if engines is None:
+        return engine_configs or {}
+    if engine_configs is not None:
+        raise ValueError(
+            "MultiDeepSpeedStrategy got both `engine_configs=` and `engines=`, the deprecated name of the same "
+            "argument. Pass the per-engine configs once, as `engine_configs=`."
+        )
+    rank_zero_deprecation(
+        "`MultiDeepSpeedStrategy(engines=...)` is deprecated and will be removed in a future release: the argument "
+        "takes configs, while `strategy.engines` returns engines. Pass `engine_configs=...` instead (in YAML, "
+        "`engine_configs:` under the strategy's `init_args`)."
+    )
+    return engines

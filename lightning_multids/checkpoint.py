@@ -166,6 +166,15 @@ def consolidated_state_dicts(path: str | Path) -> dict[str, dict[str, torch.Tens
     return result
 
 
+def gathered_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` with every ZeRO-3 partition gathered; a collective call (also after fit)."""
+    partitioned = [param for param in module.parameters() if is_zero_param(param)]
+    if not partitioned:
+        return module.state_dict()
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        return {key: value.detach().clone() for key, value in module.state_dict().items()}
+
+
 def load_weights(module: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
     """``module.load_state_dict(state)``, also when ZeRO-3 holds ``module`` partitioned (a collective call then).
 

@@ -12,10 +12,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import deepspeed
 import torch
 from deepspeed import DeepSpeedEngine
-from deepspeed.runtime.zero.utils import is_zero_param
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -185,11 +183,3 @@ class EngineSet:
                 "manual optimization: in `training_step`, call `self.manual_backward(loss)` and then `opt.step()` "
                 "and `opt.zero_grad()` for each optimizer from `self.optimizers()`."
             )
-
-    def full_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        """``module.state_dict()`` with every ZeRO-3 partition gathered; a collective call (also after fit)."""
-        partitioned = [param for param in module.parameters() if is_zero_param(param)]
-        if not partitioned:
-            return module.state_dict()
-        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-            return {key: value.detach().clone() for key, value in module.state_dict().items()}

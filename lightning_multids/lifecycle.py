@@ -252,6 +252,24 @@ def refuse_direct_calls(name: str, engine: DeepSpeedEngine) -> None:
     engine.forward = forward  # type: ignore[method-assign]
 
 
+def agree_on_failure(error: BaseException | None, *, world_size: int, rank: int, device: torch.device) -> None:
+    """Tell every rank whether any rank failed; raise on the ranks that did not (the failed one re-raises).
+
+    A collective call, made by every rank at the same point of setup whether its own work failed or not.
+    """
+    if world_size == 1 or not torch.distributed.is_initialized():
+        return
+    failed = torch.zeros(world_size, device=device)
+    failed[rank] = float(error is not None)
+    torch.distributed.all_reduce(failed)
+    ranks = [index for index, flag in enumerate(failed.tolist()) if flag]
+    if ranks and error is None:
+        raise RuntimeError(
+            f"MultiDeepSpeedStrategy: rank(s) {ranks} failed while setting up the engines (their output says why); "
+            f"rank {rank} stops too instead of waiting for them."
+        )
+
+
 @contextmanager
 def _agreed(agree: Callable[[BaseException | None], None]) -> Iterator[None]:
     """Run local work, then tell ``agree`` whether it failed (``agree`` raises if any rank's did)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -26,11 +27,13 @@ from typing_extensions import override
 from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
 from lightning_multids import gradients, internals
+from lightning_multids._deprecation import engine_configs_argument
 from lightning_multids.config import load_config, validate_stage, zero3_init_config
 from lightning_multids.data import forget_requested
 from lightning_multids.discovery import check_engine_names
 from lightning_multids.engines import EngineSet
 from lightning_multids.lifecycle import (
+    agree_on_failure,
     build_engines,
     build_evaluation_engines,
     release_engines,
@@ -103,7 +106,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self.config = load_config(config, what="every engine (`config=`)")
         self.engine_configs = {
             name: load_config(source, what=f"the engine {name!r}")
-            for name, source in _renamed_engines_argument(engine_configs, engines).items()
+            for name, source in engine_configs_argument(engine_configs, engines).items()
         }
         self.save_frozen = save_frozen
         self._engine_set = EngineSet()
@@ -201,27 +204,15 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             overrides=self.engine_configs,
             precision=str(self.precision_plugin.precision),
             device_type=self.root_device.type,
-            agree=self._agree_on_failure,
+            agree=functools.partial(
+                agree_on_failure, world_size=self.world_size, rank=self.global_rank, device=self.root_device
+            ),
         )
         if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
             self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_configs)
         warn_gradient_readers(module, self._engine_set.trainable_engines)
         self.optimizers = list[Optimizer](self._engine_set.optimizers)
         self.lr_scheduler_configs = self._engine_set.scheduler_configs
-
-    def _agree_on_failure(self, error: BaseException | None) -> None:
-        """Tell every rank whether any rank failed; raise on the ranks that did not (the failed one re-raises)."""
-        if self.world_size == 1 or not torch.distributed.is_initialized():
-            return
-        failed = torch.zeros(self.world_size, device=self.root_device)
-        failed[self.global_rank] = float(error is not None)
-        torch.distributed.all_reduce(failed)
-        ranks = [rank for rank, flag in enumerate(failed.tolist()) if flag]
-        if ranks and error is None:
-            raise RuntimeError(
-                f"MultiDeepSpeedStrategy: rank(s) {ranks} failed while setting up the engines (their output says why); "
-                f"rank {self.global_rank} stops too instead of waiting for them."
-            )
 
     @override
     @contextmanager
@@ -346,7 +337,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     def consolidated_state_dict(self) -> dict[str, Any]:
         """The module's full state dict, gathering ZeRO-3 partitions; every rank must call it (during or after fit)."""
         assert self.lightning_module is not None
-        return self._engine_set.full_state_dict(self.lightning_module)
+        return checkpoints.gathered_state_dict(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Tensor]:
@@ -457,22 +448,3 @@ def _refuse_checkpoint_io(checkpoint_io: CheckpointIO | None) -> None:
             "each DeepSpeed engine writes its own part of a checkpoint directory. Remove the `checkpoint_io` argument "
             "or the CheckpointIO from `Trainer(plugins=...)`."
         )
-
-
-def _renamed_engines_argument(
-    engine_configs: dict[str, dict[str, Any] | str] | None, engines: dict[str, dict[str, Any] | str] | None
-) -> dict[str, dict[str, Any] | str]:
-    """The per-engine configs, from ``engine_configs`` or its deprecated name ``engines``."""
-    if engines is None:
-        return engine_configs or {}
-    if engine_configs is not None:
-        raise ValueError(
-            "MultiDeepSpeedStrategy got both `engine_configs=` and `engines=`, the deprecated name of the same "
-            "argument. Pass the per-engine configs once, as `engine_configs=`."
-        )
-    rank_zero_deprecation(
-        "`MultiDeepSpeedStrategy(engines=...)` is deprecated and will be removed in a future release: the argument "
-        "takes configs, while `strategy.engines` returns engines. Pass `engine_configs=...` instead (in YAML, "
-        "`engine_configs:` under the strategy's `init_args`)."
-    )
-    return engines
