@@ -146,8 +146,13 @@ class EngineSet:
             "you mean to train."
         )
 
-    def trainable(self, names: tuple[str, ...], *, what: str) -> dict[str, DeepSpeedEngine]:
-        """The trainable engines called ``names`` (all of them when empty); ``what`` names the caller in errors."""
+    def for_no_sync(self, names: tuple[str, ...]) -> dict[str, DeepSpeedEngine]:
+        """The trainable engines called ``names`` (all of them when empty) for a ``no_sync`` block.
+
+        Refuses names that are not trainable engines, engines already in a ``no_sync`` block, and a call
+        outside fit.
+        """
+        what = "no_sync"
         trainable = [optimizer.name for optimizer in self.optimizers]
         if not trainable:
             raise RuntimeError(f"`{what}` needs the engines, which exist only during `Trainer.fit`.")

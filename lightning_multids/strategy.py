@@ -265,7 +265,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         At ZeRO-2/3 the engine holds a whole, unpartitioned gradient per rank during the block (what
         ZeRO-1 holds anyway); at stages 0/1 reduction already happens once per step, in ``step()``.
         """
-        with gradients.no_sync(self._engine_set.trainable(names, what="no_sync")):
+        with gradients.no_sync(self._engine_set.for_no_sync(names)):
             yield
 
     def full_gradients(self, name: str) -> dict[str, Tensor]:

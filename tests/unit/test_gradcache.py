@@ -78,17 +78,17 @@ def engine_set() -> EngineSet:
 
 def test_no_sync_selects_trainable_engines_and_refuses_the_rest() -> None:
     engines = engine_set()
-    assert list(engines.trainable((), what="no_sync")) == ["query", "doc"]
-    assert list(engines.trainable(("doc",), what="no_sync")) == ["doc"]
+    assert list(engines.for_no_sync(())) == ["query", "doc"]
+    assert list(engines.for_no_sync(("doc",))) == ["doc"]
     with pytest.raises(ValueError, match=r"\['teacher'\] are frozen: they have no gradients.*Choose from"):
-        engines.trainable(("teacher",), what="no_sync")
+        engines.for_no_sync(("teacher",))
     with pytest.raises(ValueError, match=r"got \['dock'\], which are not trainable engines\. Choose from"):
-        engines.trainable(("dock",), what="no_sync")
+        engines.for_no_sync(("dock",))
     engines.engines["doc"].inside_no_sync_ctxt = True
     with pytest.raises(RuntimeError, match=r"\['doc'\] are already inside `no_sync`"):
-        engines.trainable((), what="no_sync")
+        engines.for_no_sync(())
     with pytest.raises(RuntimeError, match="exist only during `Trainer.fit`"):
-        EngineSet().trainable((), what="no_sync")
+        EngineSet().for_no_sync(())
 
 
 def test_an_encoder_without_an_engine_is_refused() -> None:
