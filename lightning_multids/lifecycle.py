@@ -29,9 +29,8 @@ import lightning.pytorch as pl
 import torch
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import is_zero_param
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import nn
-from torch.distributed.distributed_c10d import _get_default_group
-from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
@@ -329,15 +328,9 @@ def unpartition(module: nn.Module) -> None:
 def sync_replicated_states(module: nn.Module) -> None:
     """Broadcast rank 0's parameters and buffers to every rank, as DDP does outside fit; a collective call.
 
-    ZeRO-3 partitions are left alone (each rank holds its own part), as are the names DDP's convention lists in
-    ``module._ddp_params_and_buffers_to_ignore``.
+    Lightning's own ``_sync_module_states``, which honours ``module._ddp_params_and_buffers_to_ignore``. A ZeRO-3
+    parameter holds an empty tensor outside a gather (its partition lives beside it), so broadcasting it changes
+    nothing: each rank keeps its own partition.
     """
-    if not torch.distributed.is_initialized():
-        return
-    ignore = {name for name, param in module.named_parameters() if is_zero_param(param)}
-    ignore |= set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-    _sync_module_states(module, _get_default_group(), _BROADCAST_BUCKET_BYTES, 0, ignore)
-
-
-_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
-"""DDP's broadcast bucket size (Lightning's ``_sync_module_states`` uses the same)."""
+    if torch.distributed.is_initialized():
+        _sync_module_states(module)
