@@ -2,7 +2,10 @@
 
 Engines are found from the optimizers of ``configure_optimizers``: each trains the direct child of the
 LightningModule that holds its parameters (:func:`match_optimizers`). A loss reaches the engines whose
-parameters its autograd graph holds, read off the graph before the backward runs (:func:`reached_engines`).
+parameters its autograd graph holds. The router finds them as their gradients arrive
+(:mod:`lightning_multids.routing`); only where the loss's scale depends on them (fp16 engines at different
+loss scales) are they read off the graph before the backward runs (:func:`reached_engines`), at a cost that
+grows with the graph.
 
 The walk holds every node it visits (``seen`` is a set of the node objects themselves). Python's
 view of an autograd node is a wrapper made when ``grad_fn``/``next_functions`` is read and freed
@@ -45,6 +48,10 @@ class Reach:
 
     names: frozenset[str]
     hidden: bool
+
+
+UNWALKED = Reach(frozenset(), hidden=True)
+"""No walk: any engine may be reached, and each is entered as its first gradient arrives."""
 
 
 def reached_engines(loss: torch.Tensor, owners: Mapping[int, str]) -> Reach:

@@ -20,10 +20,10 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_multids import internals
 from lightning_multids.config import merge
-from lightning_multids.discovery import reached_engines
+from lightning_multids.discovery import UNWALKED, reached_engines
 from lightning_multids.gradients import full_gradients
 from lightning_multids.optimizer import EngineOptimizer
-from lightning_multids.precision import gradients_rescaled, loss_scaling
+from lightning_multids.precision import loss_scaling
 from lightning_multids.routing import Router
 
 
@@ -110,18 +110,20 @@ class EngineSet:
     def backward(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
         """Route the body's backward of the yielded (loss-scaled) tensor through every engine ``loss`` reaches.
 
-        Raises if ``loss`` reaches no trainable engine (it would train nothing): before the backward when
-        the graph shows everything, after it when a reentrant checkpoint hid part of the graph. An exception
-        in the backward leaves the engines it reached clean, without their gradients of this step.
+        Raises if ``loss`` reaches no trainable engine (it would train nothing), after the backward. An
+        exception in the backward leaves the engines it reached clean, without their gradients of this step.
         """
-        reach = reached_engines(loss, self.owners)
-        if not reach.names and not reach.hidden:
+        if loss.grad_fn is None:
             self._refuse_untrained()
         trainable = self.trainable_engines
-        # fp16 engines: each sees its own loss scale; behind a hidden part any engine may be reached
-        scaled = trainable if reach.hidden else {name: trainable[name] for name in reach.names}
-        scale, factors = loss_scaling(scaled)
-        with self.router.routed(loss, trainable, reach) as route, gradients_rescaled(scaled, factors):
+        scales = {name: internals.loss_scale(engine) for name, engine in trainable.items()}
+        factors: dict[str, float] = {}
+        if len(set(scales.values())) == 1:  # bf16/fp32, or fp16 at one scale: the loss's reach does not matter
+            reach, scale = UNWALKED, next(iter(scales.values()))
+        else:  # fp16 at different scales: the loss is scaled for the engines it reaches, found by a walk
+            reach = reached_engines(loss, self.owners)
+            scale, factors = loss_scaling(scales if reach.hidden else {n: scales[n] for n in reach.names})
+        with self.router.routed(loss, trainable, reach, factors) as route:
             try:
                 yield loss * scale if scale != 1.0 else loss
             except BaseException:

@@ -6,9 +6,7 @@ loss scales is scaled so that each engine sees its gradients at its own scale (:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -19,7 +17,6 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from typing_extensions import override
 
-from lightning_multids import internals
 from lightning_multids.optimizer import EngineOptimizer
 
 
@@ -84,31 +81,15 @@ def cast_inputs(dtype: torch.dtype) -> Any:
     return hook
 
 
-def loss_scaling(engines: Mapping[str, DeepSpeedEngine]) -> tuple[float, dict[str, float]]:
-    """How to scale one loss that reaches ``engines``: the loss factor, and a gradient factor per engine.
+def loss_scaling(scales: Mapping[str, float]) -> tuple[float, dict[str, float]]:
+    """How to scale one loss that reaches engines at loss ``scales``: the loss factor, and a gradient factor each.
 
     Each fp16 engine's optimizer divides its gradients by its own dynamic loss scale in ``step()``; bf16
-    and fp32 engines divide by nothing. The loss is multiplied by the smallest fp16 scale S (so no
-    engine's backward runs at a larger scale than its own scaler allows), and each engine's parameter
-    gradients by ``its scale / S`` as they arrive, so every engine sees its gradients at its own scale.
+    and fp32 engines divide by nothing (scale 1, :func:`~lightning_multids.internals.loss_scale`). The loss is
+    multiplied by the smallest scale above 1, S (so no engine's backward runs at a larger scale than its own
+    scaler allows), and each engine's gradients by ``its scale / S`` as they arrive (the router's gradient
+    hook), so every engine sees its gradients at its own scale. Engines at S are left out of the factors.
     """
-    scales = {name: internals.loss_scale(engine) for name, engine in engines.items()}
-    fp16 = [scale for name, scale in scales.items() if engines[name].fp16_enabled()]
+    fp16 = [scale for scale in scales.values() if scale != 1.0]
     common = min(fp16) if fp16 else 1.0
-    return common, {name: scale / common for name, scale in scales.items()}
-
-
-@contextmanager
-def gradients_rescaled(engines: Mapping[str, DeepSpeedEngine], factors: Mapping[str, float]) -> Iterator[None]:
-    """Multiply the gradient of each parameter of ``engines[name]`` by ``factors[name]`` during the body."""
-    handles = []
-    for name, factor in factors.items():
-        if factor != 1.0:
-            for param in engines[name].module.parameters():
-                if param.requires_grad:
-                    handles.append(param.register_hook(functools.partial(torch.mul, other=factor)))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return common, {name: scale / common for name, scale in scales.items() if scale != common}

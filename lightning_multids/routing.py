@@ -19,10 +19,13 @@ per backward, and wrong for the patterns people write in GANs (DeepSpeed 0.19, m
 
 So the strategy takes explicit control instead. Submodules are called directly (never through
 ``engine.forward``), which registers no output hooks and no per-forward prologue. :meth:`Router.routed`
-takes the trainable engines whose parameters the loss's graph reaches (:mod:`lightning_multids.discovery`),
-runs each one's prologue exactly once, in name order, runs ``loss.backward()`` once, then each one's
-epilogue exactly once, in name order (the same collective order on every rank). An engine hidden behind a
-reentrant checkpoint is entered when its first gradient arrives (:meth:`Router.watch`).
+runs ``loss.backward()`` once; each trainable engine whose parameters receive a gradient runs its prologue
+exactly once, when its first gradient arrives (a tensor hook on each parameter, :meth:`Router.watch`, which
+runs before ZeRO's own gradient hooks), and after the backward each entered engine runs its epilogue exactly
+once, in name order (the same collective order on every rank). The prologue runs no collective, so the order
+in which engines are entered does not matter. Nothing walks the graph before the backward, so the cost does
+not grow with its size; only a loss scale that depends on which engines the loss reaches (fp16 engines at
+different scales) needs the walk of :mod:`lightning_multids.discovery`, whose engines are then entered first.
 Marking each engine as "inside engine.backward" tells DeepSpeed's own post-backward callback to leave
 the epilogue to us, exactly as ``DeepSpeedEngine.backward`` does for itself.
 The DeepSpeed calls themselves (prologue, epilogue, the marks) are in :mod:`lightning_multids.internals`.
@@ -42,7 +45,7 @@ from deepspeed import DeepSpeedEngine
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids import internals
-from lightning_multids.discovery import Reach
+from lightning_multids.discovery import UNWALKED, Reach
 
 
 @dataclass
@@ -57,13 +60,15 @@ class _Phases:
 class Route:
     """One routed backward: every trainable engine by name, and the ones entered so far.
 
-    Engines are entered (prologue) before the backward in name order, and any engine whose first
-    gradient arrives during it (behind a reentrant checkpoint) is entered then; epilogues run after it
-    in name order. Every rank runs the same code on the same graph, so every rank enters the same
-    engines and runs their epilogues (collectives at ZeRO-2/3) in the same order.
+    Engines are entered (prologue) when their first gradient arrives, or before the backward when a walk
+    of the graph found them; epilogues run after it in name order. Every rank runs the same code on the
+    same graph, so every rank enters the same engines and runs their epilogues (collectives at ZeRO-2/3) in
+    the same order.
     """
 
     engines: Mapping[str, DeepSpeedEngine]
+    factors: Mapping[str, float] = field(default_factory=dict)
+    """Each engine's gradient factor (fp16 engines at different loss scales, :func:`precision.loss_scaling`)."""
     entered: dict[str, _Phases] = field(default_factory=dict)
     root_task: int = -1
 
@@ -127,32 +132,41 @@ class Router:
             if param.requires_grad
         ]
 
-    def _on_gradient(self, name: str, engine: DeepSpeedEngine, grad: torch.Tensor) -> None:
+    def _on_gradient(self, name: str, engine: DeepSpeedEngine, grad: torch.Tensor) -> torch.Tensor | None:
         route = self.current
         if route is None or route.engines.get(name) is not engine:
-            return
+            return None
         phases = route.entered.get(name) or route.enter(name)
         phases.pending = True
         task = torch._C._current_graph_task_id()  # torch-private (2.11-2.13): which (nested) backward runs
-        if task in (route.root_task, -1) or task in phases.ended:
-            return
-        phases.ended.add(task)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_phase(engine, phases))
+        if task not in (route.root_task, -1) and task not in phases.ended:
+            phases.ended.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_phase(engine, phases))
+        factor = route.factors.get(name, 1.0)
+        return grad * factor if factor != 1.0 else None
 
     @contextmanager
-    def routed(self, loss: torch.Tensor, engines: Mapping[str, DeepSpeedEngine], reach: Reach) -> Iterator[Route]:
+    def routed(
+        self,
+        loss: torch.Tensor,
+        engines: Mapping[str, DeepSpeedEngine],
+        reach: Reach = UNWALKED,
+        factors: Mapping[str, float] | None = None,
+    ) -> Iterator[Route]:
         """Run the body (one ``loss.backward()``) inside the prologue/epilogue of every engine it reaches.
 
         Args:
             loss: the tensor the body backpropagates.
             engines: every trainable engine, by name; each must be watched (:meth:`watch`).
-            reach: what the walk found; those engines are entered before the body, in name order.
+            reach: what a walk of the graph found; those engines are entered before the body, in name order.
+                By default nothing is walked, and each engine is entered when its first gradient arrives.
+            factors: a factor by which to multiply each engine's gradients as they arrive (1 if missing).
 
         On an exception (a CUDA out-of-memory error that the caller may catch and go on from) no epilogue
         runs, since it would reduce on this rank alone: every entered engine is reset and drops its gradients
         of this step (:func:`~lightning_multids.internals.abandon_backward`), and leaves the backward.
         """
-        route = Route(engines)
+        route = Route(engines, factors or {})
 
         def record_root(grad: torch.Tensor) -> torch.Tensor:
             route.root_task = torch._C._current_graph_task_id()

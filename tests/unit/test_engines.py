@@ -8,8 +8,9 @@ from lightning_multids.discovery import check_engine_names, match_optimizers, pa
 from lightning_multids.engines import EngineSet
 from lightning_multids.internals import loss_scale
 from lightning_multids.optimizer import EngineScheduler, _GroupView
-from lightning_multids.precision import gradients_rescaled, loss_scaling
+from lightning_multids.precision import loss_scaling
 from tests import patterns
+from tests.unit.test_discovery import FakeEngine
 
 
 class GAN(nn.Module):
@@ -169,27 +170,76 @@ def test_loss_scale_reads_zero_and_stage_0_fp16_optimizers() -> None:
     assert loss_scale(stage0) == 8.0  # type: ignore[arg-type]
 
 
+class ScaledEngine(FakeEngine):
+    """A fake engine at an fp16 loss ``scale``, or bf16/fp32 when ``scale`` is None."""
+
+    def __init__(self, name: str, module: nn.Module, scale: float | None) -> None:
+        super().__init__(name, module, [])
+        self.optimizer = SimpleNamespace(loss_scale=scale)
+        self.scale = scale
+
+    def fp16_enabled(self) -> bool:
+        return self.scale is not None
+
+
+def engine_set(engines: dict[str, FakeEngine]) -> EngineSet:
+    optimizers = [SimpleNamespace(name=name, has_gradients=False) for name in engines]
+    owners = {id(p): name for name, e in engines.items() for p in e.module.parameters()}
+    routed = EngineSet(engines=engines, optimizers=optimizers, owners=owners)  # type: ignore[arg-type]
+    for name, engine in engines.items():
+        routed.router.watch(name, engine)  # type: ignore[arg-type]
+    return routed
+
+
 def test_each_engine_receives_gradients_at_its_own_loss_scale() -> None:
     """One loss through an fp16 engine (scale 2^16), another fp16 engine (2^10) and a bf16 one (no scale)."""
     torch.manual_seed(0)
-    first, second, third = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
-    engines = {"a": fake_engine(first, 2.0**16), "b": fake_engine(second, 2.0**10), "c": fake_engine(third, None)}
+    first, second, third, unused = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(3, 3)
     x = torch.randn(5, 3)
     third(second(first(x))).sum().backward()
-    expected = {name: [p.grad.clone() for p in e.module.parameters()] for name, e in engines.items()}
-    for e in engines.values():
-        e.module.zero_grad(set_to_none=True)
-
-    scale, factors = loss_scaling(engines)  # type: ignore[arg-type]
-    assert scale == 2.0**10 and factors == {"a": 2.0**6, "b": 1.0, "c": 2.0**-10}
-    with gradients_rescaled(engines, factors):  # type: ignore[arg-type]
-        (third(second(first(x))).sum() * scale).backward()
-    for name, engine in engines.items():
-        own = loss_scale(engine)  # type: ignore[arg-type]
-        for param, grad in zip(engine.module.parameters(), expected[name], strict=True):
+    modules = dict(zip("abc", (first, second, third), strict=True))
+    expected = {name: [p.grad.clone() for p in m.parameters()] for name, m in modules.items()}
+    for module in (first, second, third):
+        module.zero_grad(set_to_none=True)
+    engines = {
+        "a": ScaledEngine("a", first, 2.0**16),
+        "b": ScaledEngine("b", second, 2.0**10),
+        "c": ScaledEngine("c", third, None),
+        "d": ScaledEngine("d", unused, 2.0**4),  # not reached: its scale must not set the loss's
+    }
+    assert loss_scaling({name: loss_scale(e) for name, e in engines.items()})[0] == 2.0**4  # type: ignore[arg-type]
+    routed = engine_set(engines)  # type: ignore[arg-type]
+    with routed.backward(third(second(first(x))).sum()) as scaled:
+        scaled.backward()
+    for name in "abc":
+        own = loss_scale(engines[name])  # type: ignore[arg-type]
+        for param, grad in zip(engines[name].module.parameters(), expected[name], strict=True):
             torch.testing.assert_close(param.grad, grad * own)
-    third(second(first(x))).sum().backward()  # hooks are gone afterwards: plain gradients accumulate
+    third(second(first(x))).sum().backward()  # outside a backward of the set: plain gradients accumulate
     torch.testing.assert_close(third.bias.grad, expected["c"][-1] * 2, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scales", [(None, None), (2.0**8, 2.0**8)], ids=["bf16", "fp16-one-scale"])
+def test_a_backward_at_one_loss_scale_does_not_walk_the_graph(
+    scales: tuple[float | None, float | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where every engine has the same loss scale, what the loss reaches is found as gradients arrive."""
+
+    def walk(*args: object) -> None:
+        raise AssertionError("the graph was walked")
+
+    monkeypatch.setattr("lightning_multids.engines.reached_engines", walk)
+    torch.manual_seed(0)
+    generator, discriminator = nn.Linear(2, 3), nn.Linear(3, 1)
+    engines = {"d": ScaledEngine("d", discriminator, scales[1]), "g": ScaledEngine("g", generator, scales[0])}
+    routed = engine_set(engines)  # type: ignore[arg-type]
+    z = torch.randn(4, 2)
+    with routed.backward(discriminator(generator(z).detach()).sum()) as scaled:
+        scaled.backward()
+    assert engines["d"].calls == [("prologue", "d"), ("epilogue", "d")] and not engines["g"].calls
+    assert generator.weight.grad is None
+    expected = torch.autograd.grad(discriminator(generator(z).detach()).sum(), discriminator.weight)[0]
+    torch.testing.assert_close(discriminator.weight.grad, expected * (scales[1] or 1.0))
 
 
 def test_clipping_by_value_in_manual_optimization_is_refused() -> None:

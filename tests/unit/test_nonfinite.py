@@ -1,0 +1,29 @@
+"""The stage-0 fp32 non-finite check: a step whose gradients hold a NaN or inf updates nothing."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_multids.nonfinite import NonFiniteGradients, skip_nonfinite_steps
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_step_with_a_nonfinite_gradient_is_refused_before_it_updates(bad: float) -> None:
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    handle = skip_nonfinite_steps(SimpleNamespace(optimizer=optimizer, fp16_enabled=lambda: False))  # type: ignore[arg-type]
+    assert handle is not None
+    for param in params[:2]:
+        param.grad = torch.full((4,), 1e30)  # large but finite: the sum of all stays finite
+    optimizer.step()
+    assert params[0].data.eq(1 - 1e29).all()
+
+    params[2].grad = torch.tensor([0.0, bad, 0.0, 0.0])
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(NonFiniteGradients):
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    handle.remove()
