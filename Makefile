@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 # another checkout (another venv) never rebuilds it under a running job.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install demo test test-all test-compat test-gpu pytest lint typecheck bench bench-overhead bench-memory bench-gradcache bench-gpu clean
+.PHONY: install demo test test-all test-compat test-gpu pytest lint typecheck bench bench-overhead bench-host bench-memory bench-gradcache bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,20 +45,28 @@ GPU_PYTHON ?= $(PY)
 test-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(STAMP))
 	$(GPU_PYTHON) -m pytest -m gpu tests/gpu -rs
 
-bench: bench-overhead bench-memory bench-gradcache
+bench: bench-overhead bench-host bench-memory bench-gradcache
 
 bench-overhead: $(STAMP)
 	for stage in 0 1 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case gan --stage $$stage; done
 	for stage in 0 1 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case distill --stage $$stage --rounds 12 --steps 100; done
+	for case in gan distill; do for stage in 0 2 3; do \
+		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case $$case --stage $$stage --arch transformer \
+			--steps 20; done; done
+
+# The strategy's host time per step at near-zero compute, split per function (one process, no GPU needed).
+bench-host: $(STAMP)
+	for case in gan distill single; do for stage in 0 2 3; do \
+		$(VENV)/bin/torchrun --nproc-per-node 1 benchmarks/host.py --case $$case --stage $$stage; done; done
 
 # Not part of `bench`: needs CUDA GPUs (all of this machine's, over nccl) and a CUDA build of torch.
 GPUS ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
 bench-gpu: $(STAMP)
-	for precision in bf16-mixed 16-mixed; do for case in gan distill; do for stage in 0 1 2 3; do \
-		$(VENV)/bin/torchrun --nproc-per-node $(GPUS) benchmarks/overhead.py --device cuda --precision $$precision \
-			--case $$case --stage $$stage; done; done; done
+	for precision in bf16-mixed 16-mixed; do for arch in mlp transformer; do for case in gan distill single; do \
+		for stage in 0 1 2 3; do $(VENV)/bin/torchrun --nproc-per-node $(GPUS) benchmarks/overhead.py --device cuda \
+			--precision $$precision --arch $$arch --case $$case --stage $$stage; done; done; done; done
 
 bench-memory: $(STAMP)
 	for n in 1 2 4; do for stage in 1 2 3; do \

@@ -69,6 +69,11 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def formula(stage: int, psi: int, n: int) -> float:
+    """Model-state bytes per rank from the ZeRO paper (fp16/bf16 weights and gradients, K = 12), stage 0 to 3."""
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
 def summarize(a_times: list[list[float]], b_times: list[list[float]]) -> dict[str, float]:
     """Median step time (ms) of A and of B over all rounds, and the median and range of per-round A/B ratios."""
     ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(a_times, b_times, strict=True)]

@@ -38,18 +38,13 @@ import deepspeed
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from common import BARE
+from common import BARE, formula
 from overhead import S, discriminator_loss, gan_modules, generator_loss, mlp
 
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids.config import engine_config
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "buffers")
-
-
-def formula(stage: int, psi: int, n: int) -> float:
-    """Model-state bytes per rank from the ZeRO paper (fp16/bf16 weights and gradients, K = 12)."""
-    return {1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
 
 
 def _category(attribute: str) -> str | None:

@@ -246,6 +246,17 @@ def clear_gradients(engine: DeepSpeedEngine) -> None:
     engine.zero_grad()  # param.grad of every module parameter
 
 
+def clear_after_step(engine: DeepSpeedEngine) -> None:
+    """Clear what ``engine.step()`` leaves of the step's gradients once it returns (applied or skipped).
+
+    ``step()`` clears ``param.grad``, the optimizer's local and reduced gradients and ZeRO-1/2's partitions and
+    ``micro_step_id`` itself (0.19.8: ``_take_model_step``, ``DeepSpeedZeroOptimizer.step``). ZeRO-3 leaves its
+    flat partition buffer, into which a parameter first reduced after the first backward of the next step adds.
+    """
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+        engine.optimizer.grad_partitions_flat_buffer.zero_()
+
+
 def _initial_micro_step_id() -> int:
     from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 

@@ -144,8 +144,10 @@ class EngineOptimizer(Optimizer):
             self._refuse_empty_step()
             return loss  # automatic optimization: training_step returned None, Lightning skips the step
         step, skipped = self.engine.global_steps + 1, self.engine.skipped_steps
+        returned = False
         try:
             self.engine.step()
+            returned = True
             applied = self.engine.skipped_steps == skipped
         except NonFiniteGradients:  # stage 0, fp32: raised before the torch optimizer changed anything
             internals.abandon_step(self.engine)  # raised inside engine.step(): end its boundary
@@ -154,9 +156,11 @@ class EngineOptimizer(Optimizer):
             internals.abandon_step(self.engine)
             raise
         finally:
-            # DeepSpeed clears param.grad; also drop what its partitions still hold, or, after an exception
-            # (out of memory in the optimizer), gradients it had half processed; and end clip_next_step.
-            self.zero_grad()
+            if returned:  # engine.step() cleared the gradients, applied or skipped, all but what it leaves
+                internals.clear_after_step(self.engine)
+                self._forget_gradients()
+            else:  # gradients it had half processed (out of memory in the optimizer), or a refused step
+                self.zero_grad()
         if not applied:
             self._report_skipped_step(step)
         return loss
@@ -203,6 +207,10 @@ class EngineOptimizer(Optimizer):
         """
         if self.has_gradients:
             internals.clear_gradients(self.engine)
+        self._forget_gradients()
+
+    def _forget_gradients(self) -> None:
+        """After the gradients were cleared: none until the next backward, and no pending :meth:`clip_next_step`."""
         self.has_gradients = False
         if self._state.configured_clipping is not None:  # clipping was for the gradients just cleared
             internals.set_gradient_clipping(self.engine, self._state.configured_clipping)

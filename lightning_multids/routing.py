@@ -117,9 +117,11 @@ class Router:
         Returns the hooks' handles, for teardown.
 
         The hook is a tensor hook, so it runs before the gradient is accumulated and before ZeRO's own
-        reduction hooks (which DeepSpeed registers after accumulation). It does two things:
+        reduction hooks (which DeepSpeed registers after accumulation). It does three things:
 
-        * it enters the engine if the walk did not (its parameters were behind a reentrant checkpoint);
+        * it enters the engine, on its first gradient in the backward, unless a walk already did;
+        * it multiplies the gradient by the engine's factor, where fp16 engines at different loss scales share
+          the loss;
         * under reentrant activation checkpointing every checkpointed segment runs its own nested backward
           (its own autograd graph task). A parameter used in two segments (a checkpointed discriminator
           called on real and on fake data) then receives its gradient twice in one backward, which ZeRO-2/3

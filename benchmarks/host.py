@@ -1,0 +1,225 @@
+"""Host time per step: what the strategy adds to a raw DeepSpeed loop when compute is near zero, per function.
+
+No GPU needed: the cases of ``benchmarks/overhead.py`` at ``--size tiny`` (widths of 8, two examples per step,
+the depth of the GPU models), where a step is almost all Python. One process (``make bench-host`` runs every
+case)::
+
+    torchrun --nproc-per-node 1 benchmarks/host.py --case gan --arch transformer --stage 2
+
+First ``--rounds`` rounds alternate A (the strategy) and B (the raw loop), uninstrumented, as in
+``overhead.py``: the strategy's extra milliseconds per step are the median of A minus the median of B. Then
+one more fit of A runs with a timer around each of the strategy's functions on the step's path and around
+what it calls out to: the user's ``training_step``, autograd's ``backward``, DeepSpeed's backward prologue,
+epilogue and ``step`` (work B does as well), and Lightning's manual-optimization wrappers. Each row is the
+function's own (exclusive) time per step: its time minus that of the timed calls inside it. "Lightning's
+loop" is Lightning's wrappers plus the step time spent outside every timed function. The timers add about
+a microsecond per call; the instrumented step time is shown beside the uninstrumented one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from common import StepMeter, release_memory
+from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import Strategy
+from overhead import MODULES, Run, batches, configure, run_raw, run_strategy
+
+from lightning_multids import engines, lifecycle, nonfinite, routing
+from lightning_multids.optimizer import EngineOptimizer
+from lightning_multids.strategy import MultiDeepSpeedStrategy
+
+STRATEGY = "strategy"
+LIGHTNING = "Lightning's loop"
+OUTSIDE = {
+    "user": "the user's training_step",
+    "autograd": "autograd",
+    "deepspeed": "DeepSpeed (B runs it too)",
+}
+
+
+class HostProfile:
+    """Own time and calls per label, for functions wrapped with :meth:`timed`; nested calls are subtracted."""
+
+    def __init__(self) -> None:
+        self.own: dict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+        self.kind: dict[str, str] = {}
+        self.outermost = 0.0
+        self._children: list[float] = []
+
+    def reset(self) -> None:
+        self.own.clear()
+        self.calls.clear()
+        self.outermost = 0.0
+
+    def timed(self, label: str, kind: str, function: Callable) -> Callable:
+        self.kind[label] = kind
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._children.append(0.0)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.own[label] += elapsed - self._children.pop()
+                self.calls[label] += 1
+                if self._children:
+                    self._children[-1] += elapsed
+                else:
+                    self.outermost += elapsed
+
+        return wrapper
+
+
+def targets(case: str) -> list[tuple[Any, str, str, str]]:
+    """(owner, attribute, label, kind) of every function timed: the strategy's, and what it calls out to."""
+    return [
+        (engines, "reached_engines", "discovery: graph walk (fp16 at different scales only)", STRATEGY),
+        (routing.Router, "_on_gradient", "gradient hook (per parameter): entry, phases, fp16 factors", STRATEGY),
+        (routing.Route, "enter", "backward prologue call", STRATEGY),
+        (routing.Route, "finish", "backward epilogue calls", STRATEGY),
+        (routing.Route, "leave", "backward exit marks", STRATEGY),
+        (MultiDeepSpeedStrategy, "backward", "backward routing (strategy.backward, EngineSet.backward)", STRATEGY),
+        (EngineOptimizer, "zero_grad", "clearing (zero_grad)", STRATEGY),
+        (nonfinite, "_refuse_nonfinite", "non-finite check (stage 0 fp32 only)", STRATEGY),
+        (EngineOptimizer, "step", "optimizer step wrapper", STRATEGY),
+        (MultiDeepSpeedStrategy, "training_step", "training_step hook", STRATEGY),
+        (MultiDeepSpeedStrategy, "optimizer_step", "optimizer_step hook", STRATEGY),
+        (MODULES[case], "training_step", OUTSIDE["user"], "user"),
+        (torch.autograd, "backward", OUTSIDE["autograd"], "autograd"),
+        (DeepSpeedEngine, "_backward_prologue", OUTSIDE["deepspeed"], "deepspeed"),
+        (DeepSpeedEngine, "_backward_epilogue", OUTSIDE["deepspeed"], "deepspeed"),
+        (DeepSpeedEngine, "step", OUTSIDE["deepspeed"], "deepspeed"),
+        (DeepSpeedEngine, "zero_grad", OUTSIDE["deepspeed"], "deepspeed"),
+        (ZeROOptimizer, "clear_backward_seen_flag", OUTSIDE["deepspeed"], "deepspeed"),
+        (DeepSpeedZeroOptimizer, "clear_backward_seen_flag", OUTSIDE["deepspeed"], "deepspeed"),
+        (DeepSpeedZeroOptimizer_Stage3, "clear_backward_seen_flag", OUTSIDE["deepspeed"], "deepspeed"),
+        (pl.LightningModule, "manual_backward", LIGHTNING, "lightning"),
+        (LightningOptimizer, "step", LIGHTNING, "lightning"),
+        (Strategy, "backward", LIGHTNING, "lightning"),
+        (Precision, "optimizer_step", LIGHTNING, "lightning"),
+        (Precision, "_wrap_closure", LIGHTNING, "lightning"),  # the closure and on_before_optimizer_step hooks
+    ]
+
+
+@contextmanager
+def instrumented(profile: HostProfile, case: str) -> Iterator[None]:
+    """Wrap every target with a timer for the body; the input-cast hooks too (built at setup by ``lifecycle``)."""
+    originals = []
+    for owner, name, label, kind in targets(case):
+        originals.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, profile.timed(label, kind, getattr(owner, name)))
+    cast_inputs = lifecycle.cast_inputs
+    lifecycle.cast_inputs = lambda dtype: profile.timed("input cast (forward pre-hook)", STRATEGY, cast_inputs(dtype))  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        lifecycle.cast_inputs = cast_inputs
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+
+
+class ProfiledSteps(StepMeter):
+    """Step times after warm-up, with the profile reset when timing starts."""
+
+    def __init__(self, warmup: int, profile: HostProfile) -> None:
+        super().__init__(warmup)
+        self.profile = profile
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        if self._batches == self.warmup:
+            self.profile.reset()
+        super().on_train_batch_start(trainer, module, *args)
+
+
+def profiled_run(run: Run, data: list, warmup: int) -> tuple[HostProfile, list[float]]:
+    """One instrumented fit of A: the profile of its timed steps, and their times."""
+    profile = HostProfile()
+    meter = ProfiledSteps(warmup, profile)
+    with instrumented(profile, run.case):
+        run_strategy(run, data, warmup, meter)
+    return profile, meter.times
+
+
+def split(profile: HostProfile, step_times: list[float]) -> dict[str, float]:
+    """Milliseconds per step: each strategy function's own time, the outside work, and Lightning's loop."""
+    steps = len(step_times)
+    rows: dict[str, float] = defaultdict(float)
+    for label, seconds in profile.own.items():
+        kind = profile.kind[label]
+        if kind == STRATEGY:
+            rows[label] += 1e3 * seconds / steps
+        elif kind == "lightning":
+            rows[LIGHTNING] += 1e3 * seconds / steps
+        else:
+            rows[OUTSIDE[kind]] += 1e3 * seconds / steps
+    rows[LIGHTNING] += 1e3 * (sum(step_times) - profile.outermost) / steps
+    rows["instrumented step"] = 1e3 * statistics.mean(step_times)
+    return dict(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=sorted(MODULES), required=True)
+    parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], required=True)
+    parser.add_argument("--arch", choices=["mlp", "transformer"], default="transformer")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--out", default="outputs/bench/host")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    configure(argparse.Namespace(size="tiny", device="cpu", arch=args.arch))
+    run = Run(args.case, args.stage, "cpu", args.precision)
+    a_runs, b_runs = [], []
+    for round_ in range(args.rounds):
+        data = batches(1000 * round_, args.warmup + args.steps, torch.device("cpu"))
+        for side in [run_strategy, run_raw] if round_ % 2 == 0 else [run_raw, run_strategy]:
+            (a_runs if side is run_strategy else b_runs).append(side(run, data, args.warmup))
+            release_memory()
+    profile, times = profiled_run(run, batches(7, args.warmup + args.steps, torch.device("cpu")), args.warmup)
+    a_ms = 1e3 * statistics.median(t for r in a_runs for t in r)
+    b_ms = 1e3 * statistics.median(t for r in b_runs for t in r)
+    rows = split(profile, times)
+    strategy_ms = sum(ms for label, ms in rows.items() if profile.kind.get(label) == STRATEGY)
+    report(args, {"a_ms": a_ms, "b_ms": b_ms, "extra_ms": a_ms - b_ms, "strategy_own_ms": strategy_ms}, rows)
+
+
+def report(args: argparse.Namespace, summary: dict[str, float], rows: dict[str, float]) -> None:
+    """Print the summary row and the per-function split; save both as JSON."""
+    print(
+        f"| {args.case} | {args.arch} | {args.stage} | {args.precision} | {summary['a_ms']:.3f} | "
+        f"{summary['b_ms']:.3f} | {summary['extra_ms']:+.3f} | {summary['strategy_own_ms']:.3f} | "
+        f"{rows[LIGHTNING]:.3f} |",
+        flush=True,
+    )
+    for label, ms in sorted(rows.items(), key=lambda item: -item[1]):
+        print(f"|   {label} | {ms:.3f} |")
+    out = Path(args.out) / f"{args.case}_{args.arch}_zero{args.stage}_{args.precision}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), **summary, "split_ms": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
