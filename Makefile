@@ -52,6 +52,8 @@ bench-overhead: $(STAMP)
 		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case gan --stage $$stage; done
 	for stage in 0 1 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case distill --stage $$stage --rounds 12 --steps 100; done
+	for stage in 0 1 2 3; do \
+		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case single --stage $$stage --rounds 12 --steps 100; done
 	for case in gan distill; do for stage in 0 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case $$case --stage $$stage --arch transformer \
 			--steps 20; done; done

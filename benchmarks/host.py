@@ -164,7 +164,8 @@ def profiled_run(run: Run, data: list, warmup: int) -> tuple[HostProfile, list[f
 def split(profile: HostProfile, step_times: list[float]) -> dict[str, float]:
     """Milliseconds per step: each strategy function's own time, the outside work, and Lightning's loop."""
     steps = len(step_times)
-    rows: dict[str, float] = defaultdict(float)
+    rows: dict[str, float] = {label: 0.0 for label, kind in profile.kind.items() if kind == STRATEGY}
+    rows = defaultdict(float, rows)  # a function never called shows 0 (the graph walk, outside fp16)
     for label, seconds in profile.own.items():
         kind = profile.kind[label]
         if kind == STRATEGY:
