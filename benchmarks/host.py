@@ -8,12 +8,14 @@ case)::
 
 First ``--rounds`` rounds alternate A (the strategy) and B (the raw loop), uninstrumented, as in
 ``overhead.py``: the strategy's extra milliseconds per step are the median of A minus the median of B. Then
-one more fit of A runs with a timer around each of the strategy's functions on the step's path and around
-what it calls out to: the user's ``training_step``, autograd's ``backward``, DeepSpeed's backward prologue,
-epilogue and ``step`` (work B does as well), and Lightning's manual-optimization wrappers. Each row is the
-function's own (exclusive) time per step: its time minus that of the timed calls inside it. "Lightning's
-loop" is Lightning's wrappers plus the step time spent outside every timed function. The timers add about
-a microsecond per call; the instrumented step time is shown beside the uninstrumented one.
+one more run of each side has a timer around each of the strategy's functions on the step's path and around
+what they call out to: the step's own code (the LightningModule's ``training_step``, B's loop body),
+autograd's ``backward``, DeepSpeed's ``forward``, ``backward``, prologue, epilogue, ``step`` and ``zero_grad``,
+and Lightning's wrappers (``manual_backward``, ``toggle_optimizer``, the optimizer step and its closure). Each
+row is a function's own (exclusive) time per step: its time minus that of the timed calls inside it; A's
+column beside B's. "The loop" is Lightning's wrappers plus the step time spent outside every timed function
+(for B: its input cast and timer). The timers add about a microsecond per call; the instrumented step time
+is shown beside the uninstrumented one.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import overhead
 import torch
 from common import StepMeter, release_memory
 from deepspeed import DeepSpeedEngine
@@ -47,7 +50,7 @@ from lightning_multids.optimizer import EngineOptimizer
 from lightning_multids.strategy import MultiDeepSpeedStrategy
 
 STRATEGY = "strategy"
-LIGHTNING = "Lightning's loop"
+LIGHTNING = "the loop (A: Lightning's)"
 OUTSIDE = {
     "user": "the user's training_step",
     "autograd": "autograd",
@@ -107,6 +110,8 @@ def targets(case: str) -> list[tuple[Any, str, str, str]]:
         (MultiDeepSpeedStrategy, "optimizer_step", "optimizer_step hook", STRATEGY),
         (MODULES[case], "training_step", OUTSIDE["user"], "user"),
         (torch.autograd, "backward", OUTSIDE["autograd"], "autograd"),
+        (DeepSpeedEngine, "forward", OUTSIDE["deepspeed"], "deepspeed"),  # B only
+        (DeepSpeedEngine, "backward", OUTSIDE["deepspeed"], "deepspeed"),  # B only
         (DeepSpeedEngine, "_backward_prologue", OUTSIDE["deepspeed"], "deepspeed"),
         (DeepSpeedEngine, "_backward_epilogue", OUTSIDE["deepspeed"], "deepspeed"),
         (DeepSpeedEngine, "step", OUTSIDE["deepspeed"], "deepspeed"),
@@ -115,6 +120,8 @@ def targets(case: str) -> list[tuple[Any, str, str, str]]:
         (DeepSpeedZeroOptimizer, "clear_backward_seen_flag", OUTSIDE["deepspeed"], "deepspeed"),
         (DeepSpeedZeroOptimizer_Stage3, "clear_backward_seen_flag", OUTSIDE["deepspeed"], "deepspeed"),
         (pl.LightningModule, "manual_backward", LIGHTNING, "lightning"),
+        (pl.LightningModule, "toggle_optimizer", LIGHTNING, "lightning"),
+        (pl.LightningModule, "untoggle_optimizer", LIGHTNING, "lightning"),
         (LightningOptimizer, "step", LIGHTNING, "lightning"),
         (Strategy, "backward", LIGHTNING, "lightning"),
         (Precision, "optimizer_step", LIGHTNING, "lightning"),
@@ -161,8 +168,33 @@ def profiled_run(run: Run, data: list, warmup: int) -> tuple[HostProfile, list[f
     return profile, meter.times
 
 
+def profiled_raw(run: Run, data: list, warmup: int) -> tuple[HostProfile, list[float]]:
+    """One instrumented run of B: the same timers (the loop's step counts as the user's code), after warm-up."""
+    profile = HostProfile()
+    raw_step, calls = overhead.raw_step, 0
+
+    def counted(*args: Any) -> None:
+        nonlocal calls
+        if calls == warmup:
+            profile.reset()
+        calls += 1
+        raw_step(*args)
+
+    overhead.raw_step = profile.timed(OUTSIDE["user"], "user", counted)
+    try:
+        with instrumented(profile, run.case):
+            times = run_raw(run, data, warmup)
+    finally:
+        overhead.raw_step = raw_step
+    return profile, times
+
+
 def split(profile: HostProfile, step_times: list[float]) -> dict[str, float]:
-    """Milliseconds per step: each strategy function's own time, the outside work, and Lightning's loop."""
+    """Milliseconds per step: each strategy function's own time, the outside work, and the loop's own time.
+
+    The loop's own time is that of Lightning's wrappers plus what the step spends outside every timed function
+    (for B, the hand-written loop's: the input cast and the timer).
+    """
     steps = len(step_times)
     rows: dict[str, float] = {label: 0.0 for label, kind in profile.kind.items() if kind == STRATEGY}
     rows = defaultdict(float, rows)  # a function never called shows 0 (the graph walk, outside fp16)
@@ -200,26 +232,28 @@ def main() -> None:
             (a_runs if side is run_strategy else b_runs).append(side(run, data, args.warmup))
             release_memory()
     profile, times = profiled_run(run, batches(7, args.warmup + args.steps, torch.device("cpu")), args.warmup)
+    raw_profile, raw_times = profiled_raw(run, batches(7, args.warmup + args.steps, torch.device("cpu")), args.warmup)
     a_ms = 1e3 * statistics.median(t for r in a_runs for t in r)
     b_ms = 1e3 * statistics.median(t for r in b_runs for t in r)
-    rows = split(profile, times)
+    rows, raw_rows = split(profile, times), split(raw_profile, raw_times)
     strategy_ms = sum(ms for label, ms in rows.items() if profile.kind.get(label) == STRATEGY)
-    report(args, {"a_ms": a_ms, "b_ms": b_ms, "extra_ms": a_ms - b_ms, "strategy_own_ms": strategy_ms}, rows)
+    summary = {"a_ms": a_ms, "b_ms": b_ms, "extra_ms": a_ms - b_ms, "strategy_own_ms": strategy_ms}
+    report(args, summary, rows, raw_rows)
 
 
-def report(args: argparse.Namespace, summary: dict[str, float], rows: dict[str, float]) -> None:
-    """Print the summary row and the per-function split; save both as JSON."""
+def report(args: argparse.Namespace, summary: dict[str, float], rows: dict[str, float], raw: dict[str, float]) -> None:
+    """Print the summary row and the per-function split of A beside B's; save both as JSON."""
     print(
-        f"| {args.case} | {args.arch} | {args.stage} | {args.precision} | {summary['a_ms']:.3f} | "
-        f"{summary['b_ms']:.3f} | {summary['extra_ms']:+.3f} | {summary['strategy_own_ms']:.3f} | "
-        f"{rows[LIGHTNING]:.3f} |",
+        f"| {args.case} | {args.arch} | {args.stage} | {args.precision} | {summary['a_ms']:.2f} | "
+        f"{summary['b_ms']:.2f} | {summary['extra_ms']:+.2f} | {summary['strategy_own_ms']:.2f} | "
+        f"{rows[LIGHTNING]:.2f} |",
         flush=True,
     )
     for label, ms in sorted(rows.items(), key=lambda item: -item[1]):
-        print(f"|   {label} | {ms:.3f} |")
+        print(f"|   {label} | {ms:.3f} | {raw[label]:.3f} |" if label in raw else f"|   {label} | {ms:.3f} | |")
     out = Path(args.out) / f"{args.case}_{args.arch}_zero{args.stage}_{args.precision}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), **summary, "split_ms": rows}, indent=2))
+    out.write_text(json.dumps({"args": vars(args), **summary, "split_ms": rows, "raw_split_ms": raw}, indent=2))
 
 
 if __name__ == "__main__":
