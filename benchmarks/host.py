@@ -9,11 +9,11 @@ case)::
 First ``--rounds`` rounds alternate A (the strategy) and B (the raw loop), uninstrumented, as in
 ``overhead.py``: the strategy's extra milliseconds per step are the median of A minus the median of B. Then
 one more run of each side has a timer around each of the strategy's functions on the step's path and around
-what they call out to: the step's own code (the LightningModule's ``training_step``, B's loop body),
-autograd's ``backward``, DeepSpeed's ``forward``, ``backward``, prologue, epilogue, ``step`` and ``zero_grad``,
-and Lightning's wrappers (``manual_backward``, ``toggle_optimizer``, the optimizer step and its closure). Each
-row is a function's own (exclusive) time per step: its time minus that of the timed calls inside it; A's
-column beside B's. "The loop" is Lightning's wrappers plus the step time spent outside every timed function
+what they call out to: the step's own code (the LightningModule's ``training_step``, B's loop body), the
+models' ``forward``, autograd's ``backward``, DeepSpeed's ``forward``, ``backward``, prologue, epilogue,
+``step`` and ``zero_grad``, and Lightning's wrappers (``manual_backward``, ``toggle_optimizer``, the optimizer
+step and its closure). Each row is a function's own (exclusive) time per step: its time minus that of the
+timed calls inside it; A's column beside B's. "The loop" is Lightning's wrappers plus the step time spent outside every timed function
 (for B: its input cast and timer). The timers add about a microsecond per call; the instrumented step time
 is shown beside the uninstrumented one.
 """
@@ -44,6 +44,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import Strategy
 from overhead import MODULES, Run, batches, configure, run_raw, run_strategy
+from torch import nn
 
 from lightning_multids import engines, lifecycle, nonfinite, routing
 from lightning_multids.optimizer import EngineOptimizer
@@ -54,6 +55,7 @@ LIGHTNING = "the loop (A: Lightning's)"
 OUTSIDE = {
     "user": "the user's training_step",
     "autograd": "autograd",
+    "forward": "the models' forward",
     "deepspeed": "DeepSpeed (B runs it too)",
 }
 
@@ -110,6 +112,8 @@ def targets(case: str) -> list[tuple[Any, str, str, str]]:
         (MultiDeepSpeedStrategy, "optimizer_step", "optimizer_step hook", STRATEGY),
         (MODULES[case], "training_step", OUTSIDE["user"], "user"),
         (torch.autograd, "backward", OUTSIDE["autograd"], "autograd"),
+        (nn.Sequential, "forward", OUTSIDE["forward"], "forward"),  # every model of overhead.py, both sides
+        (overhead.Encoder, "forward", OUTSIDE["forward"], "forward"),
         (DeepSpeedEngine, "forward", OUTSIDE["deepspeed"], "deepspeed"),  # B only
         (DeepSpeedEngine, "backward", OUTSIDE["deepspeed"], "deepspeed"),  # B only
         (DeepSpeedEngine, "_backward_prologue", OUTSIDE["deepspeed"], "deepspeed"),
