@@ -13,9 +13,9 @@ what they call out to: the step's own code (the LightningModule's ``training_ste
 models' ``forward``, autograd's ``backward``, DeepSpeed's ``forward``, ``backward``, prologue, epilogue,
 ``step`` and ``zero_grad``, and Lightning's wrappers (``manual_backward``, ``toggle_optimizer``, the optimizer
 step and its closure). Each row is a function's own (exclusive) time per step: its time minus that of the
-timed calls inside it; A's column beside B's. "The loop" is Lightning's wrappers plus the step time spent outside every timed function
-(for B: its input cast and timer). The timers add about a microsecond per call; the instrumented step time
-is shown beside the uninstrumented one.
+timed calls inside it; A's column beside B's. "The loop" is Lightning's wrappers plus the step time spent
+outside every timed function (for B: its input cast and timer). The timers add about a microsecond per call;
+the instrumented step time is shown beside the uninstrumented one.
 """
 
 from __future__ import annotations
