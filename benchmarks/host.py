@@ -7,15 +7,15 @@ case)::
     torchrun --nproc-per-node 1 benchmarks/host.py --case gan --arch transformer --stage 2
 
 First ``--rounds`` rounds alternate A (the strategy) and B (the raw loop), uninstrumented, as in
-``overhead.py``: the strategy's extra milliseconds per step are the median of A minus the median of B. Then
-one more run of each side has a timer around each of the strategy's functions on the step's path and around
-what they call out to: the step's own code (the LightningModule's ``training_step``, B's loop body), the
-models' ``forward``, autograd's ``backward``, DeepSpeed's ``forward``, ``backward``, prologue, epilogue,
-``step`` and ``zero_grad``, and Lightning's wrappers (``manual_backward``, ``toggle_optimizer``, the optimizer
-step and its closure). Each row is a function's own (exclusive) time per step: its time minus that of the
-timed calls inside it; A's column beside B's. "The loop" is Lightning's wrappers plus the step time spent
-outside every timed function (for B: its input cast and timer). The timers add about a microsecond per call;
-the instrumented step time is shown beside the uninstrumented one.
+``overhead.py``: the strategy's extra milliseconds per step are the median of A minus the median of B (and the
+range of that difference over the rounds). Then one more run of each side has a timer around each of the
+strategy's functions on the step's path and around what they call out to: the step's own code (the
+LightningModule's ``training_step``, B's loop body), the models' ``forward``, autograd's ``backward``,
+DeepSpeed's ``forward``, ``backward``, prologue, epilogue, ``step`` and ``zero_grad``, and Lightning's wrappers
+(``manual_backward``, ``toggle_optimizer``, the optimizer step and its closure). Each row is a function's own
+(exclusive) time per step: its time minus that of the timed calls inside it; A's column beside B's. "The loop"
+is Lightning's wrappers plus the step time spent outside every timed function (for B: its input cast and timer).
+The timers add about a microsecond per call; the instrumented step time is shown beside the uninstrumented one.
 """
 
 from __future__ import annotations
@@ -241,7 +241,9 @@ def main() -> None:
     b_ms = 1e3 * statistics.median(t for r in b_runs for t in r)
     rows, raw_rows = split(profile, times), split(raw_profile, raw_times)
     strategy_ms = sum(ms for label, ms in rows.items() if profile.kind.get(label) == STRATEGY)
-    summary = {"a_ms": a_ms, "b_ms": b_ms, "extra_ms": a_ms - b_ms, "strategy_own_ms": strategy_ms}
+    extra = sorted(1e3 * (statistics.median(a) - statistics.median(b)) for a, b in zip(a_runs, b_runs, strict=True))
+    summary = {"a_ms": a_ms, "b_ms": b_ms, "extra_ms": a_ms - b_ms, "extra_min_ms": extra[0], "extra_max_ms": extra[-1]}
+    summary["strategy_own_ms"] = strategy_ms
     report(args, summary, rows, raw_rows)
 
 
@@ -249,7 +251,8 @@ def report(args: argparse.Namespace, summary: dict[str, float], rows: dict[str, 
     """Print the summary row and the per-function split of A beside B's; save both as JSON."""
     print(
         f"| {args.case} | {args.arch} | {args.stage} | {args.precision} | {summary['a_ms']:.2f} | "
-        f"{summary['b_ms']:.2f} | {summary['extra_ms']:+.2f} | {summary['strategy_own_ms']:.2f} | "
+        f"{summary['b_ms']:.2f} | {summary['extra_ms']:+.2f} ({summary['extra_min_ms']:+.2f} to "
+        f"{summary['extra_max_ms']:+.2f}) | {summary['strategy_own_ms']:.2f} | "
         f"{rows[LIGHTNING]:.2f} |",
         flush=True,
     )
