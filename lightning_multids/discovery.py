@@ -43,7 +43,8 @@ class Reach:
 
     Attributes:
         names: the trainable engines whose parameters the graph reaches.
-        hidden: whether the graph holds a reentrant checkpoint, behind which more engines may be reached.
+        hidden: whether more engines than ``names`` may be reached: the graph holds a reentrant checkpoint,
+            or it was not walked (:data:`UNWALKED`).
     """
 
     names: frozenset[str]
