@@ -197,11 +197,26 @@ def engine_config(
     return config
 
 
+FROZEN_ZERO3: dict[tuple[str, str], int] = {
+    ("stage3_max_live_parameters", "max_live_parameters"): 0,
+    ("stage3_max_reuse_distance", "max_reuse_distance"): 0,
+    ("stage3_prefetch_bucket_size", "prefetch_bucket_size"): 0,
+}
+"""A frozen ZeRO-3 engine's defaults (each key under either of its names in DeepSpeed): no gathered layer kept.
+
+DeepSpeed's defaults (1e9 live elements and reuse distance, a 5e7-element prefetch bucket) gather layers ahead
+of the forward and keep them while they may be used again, so a model under a billion parameters ends up
+whole on every rank beside its partition. With these each layer is gathered for its own forward (or
+backward) and released after it.
+"""
+
+
 def frozen_config(name: str, config: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """Adapt an engine config for a frozen engine (no optimizer: inference only).
 
     ZeRO-1 and -2 partition optimizer state and gradients, which a frozen engine has none of, so they run
-    as stage 0 (replicated); stage 3 partitions the parameters.
+    as stage 0 (replicated); stage 3 partitions the parameters and gets :data:`FROZEN_ZERO3` for each of
+    those settings that ``config`` does not set.
 
     Raises:
         ValueError: the engine's own entry asks for gradient clipping or a scheduler, which need an optimizer.
@@ -214,8 +229,13 @@ def frozen_config(name: str, config: Mapping[str, Any], override: Mapping[str, A
                 "an optimizer."
             )
     frozen = merge(config, {"gradient_clipping": 0.0})
-    if frozen["zero_optimization"].get("stage", 0) in (1, 2):
-        frozen["zero_optimization"]["stage"] = 0
+    zero = frozen["zero_optimization"]
+    if zero.get("stage", 0) in (1, 2):
+        zero["stage"] = 0
+    if zero.get("stage") == 3:
+        for (key, alias), value in FROZEN_ZERO3.items():
+            if key not in zero and alias not in zero:
+                zero[key] = value
     return frozen
 
 

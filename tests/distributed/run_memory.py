@@ -1,10 +1,16 @@
-"""Per-rank script: build a large ZeRO-3 teacher in configure_model and report this rank's peak memory growth.
+"""Per-rank script: what a frozen ZeRO-3 teacher holds on this rank.
 
-Usage: run_memory.py OUT
+Usage: run_memory.py OUT build | run_memory.py OUT gathered [JSON]
+
+``build``: a large teacher is built in configure_model; this rank's peak memory growth while it is built.
+``gathered``: a teacher of 4 layers runs twice per step for 3 steps; which of its parameters are gathered whole
+on this rank at the start of each layer's forward, and after each of its forwards. ``JSON`` is the teacher's
+``zero_optimization`` entry beyond the stage.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import warnings
@@ -12,6 +18,7 @@ import warnings
 import lightning.pytorch as pl
 import psutil
 import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
@@ -65,8 +72,52 @@ class BigTeacher(pl.LightningModule):
         return torch.utils.data.DataLoader(patterns.make_batches(1), batch_size=4)
 
 
+def gathered(module: nn.Module) -> list[str]:
+    """The names of ``module``'s ZeRO-3 parameters that are whole on this rank now."""
+    return [name for name, p in module.named_parameters() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE]
+
+
+class TwiceTeacher(pl.LightningModule):
+    """A teacher of 4 layers of 64 x 64 called on two micro-batches per step, and a student."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.seen: dict[str, list[list[str]]] = {"in_layer": [], "after_forward": []}
+
+    def configure_model(self) -> None:
+        self.teacher = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        self.student = nn.Linear(64, 64)
+
+    def on_train_start(self) -> None:  # after the engines: these hooks run after ZeRO-3's own gather
+        for index, layer in enumerate(self.teacher):
+            layer.register_forward_pre_hook(lambda m, args, i=index: self._record_layer(i))
+
+    def _record_layer(self, index: int) -> None:
+        own = {f"{index}.weight", f"{index}.bias"}
+        self.seen["in_layer"].append([name for name in gathered(self.teacher) if name not in own])
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        x = batch[:, :1].expand(-1, 64).contiguous()
+        for half in (x[:2], x[2:]):
+            with torch.no_grad():
+                target = self.teacher(half)
+            self.seen["after_forward"].append(gathered(self.teacher))
+            self.manual_backward((self.student(half) - target).pow(2).mean())
+        self.optimizers().step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.student.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(patterns.make_batches(3), batch_size=4)
+
+
 def main() -> None:
-    (out,) = sys.argv[1:]
+    out, mode, *extra = sys.argv[1:]
+    if mode == "gathered":
+        main_gathered(out, json.loads(extra[0]) if extra else {})
+        return
     module = BigTeacher()
     strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": {"stage": 3}}})
     trainer = cpu_trainer(strategy, max_steps=1, enable_checkpointing=False)
@@ -75,6 +126,17 @@ def main() -> None:
     local_bytes = sum(p.ds_tensor.numel() for p in module.teacher.parameters()) * 4
     result = {"growth": module.growth, "teacher_bytes": teacher_bytes, "local_bytes": local_bytes}
     torch.save(result, f"{out}.{trainer.global_rank}")
+
+
+def main_gathered(out: str, zero: dict) -> None:
+    module = TwiceTeacher()
+    # Every parameter below DeepSpeed's persistence threshold (1e5 elements) would stay whole for good; with 0
+    # each takes part in gathering and releasing.
+    teacher = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+    strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": teacher})
+    trainer = cpu_trainer(strategy, enable_checkpointing=False)
+    trainer.fit(module)
+    torch.save(module.seen, f"{out}.{trainer.global_rank}")
 
 
 if __name__ == "__main__":

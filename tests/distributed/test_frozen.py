@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -95,7 +96,7 @@ def test_zero3_teacher_never_exists_whole_in_one_process(tmp_path: Path) -> None
     live memory only.
     """
     out = tmp_path / "memory.pt"
-    run_ranks(Path(__file__).with_name("run_memory.py"), str(out), env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    run_ranks(Path(__file__).with_name("run_memory.py"), str(out), "build", env={"MALLOC_MMAP_THRESHOLD_": "131072"})
     for rank in (0, 1):
         result = torch.load(f"{out}.{rank}")
         assert result["local_bytes"] == pytest.approx(result["teacher_bytes"] / 2, rel=0.01)
@@ -103,3 +104,31 @@ def test_zero3_teacher_never_exists_whole_in_one_process(tmp_path: Path) -> None
             f"rank {rank}: memory grew by {result['growth'] / 2**20:.0f} MiB while building a "
             f"{result['teacher_bytes'] / 2**20:.0f} MiB teacher"
         )
+
+
+DEEPSPEED_ZERO3 = {
+    "stage3_max_live_parameters": 10**9,
+    "stage3_max_reuse_distance": 10**9,
+    "stage3_prefetch_bucket_size": 5 * 10**7,
+}
+"""DeepSpeed's own defaults for the settings a frozen ZeRO-3 engine gets its lean defaults for."""
+
+
+@pytest.mark.parametrize("settings", [{}, DEEPSPEED_ZERO3], ids=["lean-defaults", "users-settings"])
+def test_frozen_zero3_engine_holds_no_gathered_parameters_between_forwards(tmp_path: Path, settings: dict) -> None:
+    """A frozen ZeRO-3 teacher called twice per step: each layer is gathered for its forward alone, and nothing
+    stays gathered after a forward. A user's explicit settings still win: with DeepSpeed's own values the
+    layers ahead are gathered (prefetched) while a layer runs.
+    """
+    out = tmp_path / "gathered.pt"
+    run_ranks(Path(__file__).with_name("run_memory.py"), str(out), "gathered", json.dumps(settings))
+    for rank in (0, 1):
+        seen = torch.load(f"{out}.{rank}")
+        assert len(seen["in_layer"]) == 3 * 2 * 4 and len(seen["after_forward"]) == 3 * 2
+        others_in_layer = [names for names in seen["in_layer"] if names]
+        after = [names for names in seen["after_forward"] if names]
+        if settings:
+            assert others_in_layer, "with DeepSpeed's own settings the next layers are gathered ahead"
+        else:
+            assert not others_in_layer, f"rank {rank}: other layers gathered in a layer's forward: {others_in_layer}"
+            assert not after, f"rank {rank}: parameters left gathered after the teacher's forward: {after}"

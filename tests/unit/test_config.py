@@ -138,6 +138,24 @@ def test_frozen_engine_runs_stage_1_and_2_replicated_and_keeps_3() -> None:
         assert frozen_config("teacher", config, {})["zero_optimization"]["stage"] == expected
 
 
+def test_frozen_zero3_engine_gets_lean_defaults_and_the_users_settings_win() -> None:
+    lean = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    config = engine_config("teacher", stage=3, default={}, override={})
+    assert lean.items() <= frozen_config("teacher", config, {})["zero_optimization"].items()
+    # Either of DeepSpeed's two names for a setting, in the strategy's default config or the engine's entry.
+    default = {"zero_optimization": {"stage3_max_live_parameters": 10**8}}
+    override = {"zero_optimization": {"prefetch_bucket_size": 10**6}}
+    config = engine_config("teacher", stage=3, default=default, override=override)
+    zero = frozen_config("teacher", config, override)["zero_optimization"]
+    assert zero["stage3_max_live_parameters"] == 10**8 and zero["prefetch_bucket_size"] == 10**6
+    assert "stage3_prefetch_bucket_size" not in zero and zero["stage3_max_reuse_distance"] == 0
+    for stage in (0, 1, 2):  # nothing is partitioned: nothing to add
+        config = engine_config("teacher", stage=stage, default={}, override={})
+        assert not lean.keys() & frozen_config("teacher", config, {})["zero_optimization"].keys()
+    trained = engine_config("student", stage=3, default={}, override={})  # a trained engine keeps DeepSpeed's
+    assert not lean.keys() & trained["zero_optimization"].keys()
+
+
 @pytest.mark.parametrize("key", ["gradient_clipping", "scheduler"])
 def test_frozen_engine_refuses_settings_that_need_an_optimizer(key: str) -> None:
     override = {key: 1.0 if key == "gradient_clipping" else {"type": "WarmupLR"}}
