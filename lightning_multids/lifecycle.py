@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids import internals
-from lightning_multids.config import engine_config, frozen_config, merge
+from lightning_multids.config import engine_config, frozen_config, merge, sized_buckets
 from lightning_multids.data import per_process_batch_size, train_loaders
 from lightning_multids.engines import EngineSet
 from lightning_multids.planning import Plan, check_batch_settings, config_scheduler, plan_engines
@@ -124,7 +124,8 @@ def _build_trainable(
     for name, index in plan.matched.items():
         optimizer = plan.optimizers[index]
         params = [list(group["params"]) for group in optimizer.param_groups]
-        engine = build_engine(getattr(module, name), configs[name], optimizer)
+        config = sized_buckets(configs[name], _numel(p for group in params for p in group))
+        engine = build_engine(getattr(module, name), config, optimizer)
         _add_trainable(result, name, engine, optimizer, params)
     # Schedulers from configure_optimizers stay the user's objects, in the user's order, stepped as under DDP:
     # by the user in manual optimization, by Lightning (interval, frequency, monitor) in automatic. They act on
@@ -132,13 +133,18 @@ def _build_trainable(
     result.scheduler_configs.extend(plan.scheduler_configs)
     for name in plan.from_config:
         trainable = [p for p in getattr(module, name).parameters() if p.requires_grad]
-        engine = build_engine(getattr(module, name), configs[name])
+        engine = build_engine(getattr(module, name), sized_buckets(configs[name], _numel(trainable)))
         _add_trainable(result, name, engine, internals.torch_optimizer(engine), [trainable])
         if engine.lr_scheduler is not None:
             result.scheduler_configs.append(config_scheduler(name, engine, plan.manual))
     for optimizer in result.optimizers:
         optimizer.manual = plan.manual
     result.switched_to_manual = plan.switched
+
+
+def _numel(params: Iterable[nn.Parameter]) -> int:
+    """The elements of ``params``, whole (a ZeRO-3 parameter built partitioned counts in full)."""
+    return sum(param.ds_numel if is_zero_param(param) else param.numel() for param in params)
 
 
 def _add_frozen(result: EngineSet, name: str, engine: DeepSpeedEngine) -> None:

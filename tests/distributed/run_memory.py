@@ -5,7 +5,7 @@ Usage: run_memory.py OUT build | run_memory.py OUT gathered [JSON]
 ``build``: a large teacher is built in configure_model; this rank's peak memory growth while it is built.
 ``gathered``: a teacher of 4 layers runs twice per step for 3 steps; which of its parameters are gathered whole
 on this rank at the start of each layer's forward, and after each of its forwards. ``JSON`` is the teacher's
-``zero_optimization`` entry beyond the stage.
+``zero_optimization`` entry beyond the stage. The ZeRO-2 student's reduce bucket size is reported too.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class TwiceTeacher(pl.LightningModule):
         self.student = nn.Linear(64, 64)
 
     def on_train_start(self) -> None:  # after the engines: these hooks run after ZeRO-3's own gather
+        self.student_bucket = self.trainer.strategy.engines["student"].zero_reduce_bucket_size()
         for index, layer in enumerate(self.teacher):
             layer.register_forward_pre_hook(lambda m, args, i=index: self._record_layer(i))
 
@@ -136,6 +137,7 @@ def main_gathered(out: str, zero: dict) -> None:
     strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": teacher})
     trainer = cpu_trainer(strategy, enable_checkpointing=False)
     trainer.fit(module)
+    module.seen["student_bucket"] = module.student_bucket
     torch.save(module.seen, f"{out}.{trainer.global_rank}")
 
 

@@ -125,6 +125,7 @@ def test_frozen_zero3_engine_holds_no_gathered_parameters_between_forwards(tmp_p
     for rank in (0, 1):
         seen = torch.load(f"{out}.{rank}")
         assert len(seen["in_layer"]) == 3 * 2 * 4 and len(seen["after_forward"]) == 3 * 2
+        assert seen["student_bucket"] == 64 * 64 + 64, "the student's reduce bucket must fit its gradients alone"
         others_in_layer = [names for names in seen["in_layer"] if names]
         after = [names for names in seen["after_forward"] if names]
         if settings:

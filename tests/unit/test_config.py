@@ -5,12 +5,14 @@ import pytest
 
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids.config import (
+    DEEPSPEED_REDUCE_BUCKET,
     apply_precision,
     engine_config,
     frozen_config,
     load_config,
     merge,
     precision_section,
+    sized_buckets,
     validate_stage,
     zero3_init_config,
 )
@@ -154,6 +156,18 @@ def test_frozen_zero3_engine_gets_lean_defaults_and_the_users_settings_win() -> 
         assert not lean.keys() & frozen_config("teacher", config, {})["zero_optimization"].keys()
     trained = engine_config("student", stage=3, default={}, override={})  # a trained engine keeps DeepSpeed's
     assert not lean.keys() & trained["zero_optimization"].keys()
+
+
+def test_a_trained_engines_reduce_bucket_is_no_larger_than_its_gradients() -> None:
+    for stage in (1, 2, 3):
+        config = engine_config("student", stage=stage, default={}, override={})
+        assert sized_buckets(config, 4160)["zero_optimization"]["reduce_bucket_size"] == 4160
+        assert sized_buckets(config, 10**10)["zero_optimization"]["reduce_bucket_size"] == DEEPSPEED_REDUCE_BUCKET
+        assert "reduce_bucket_size" not in config["zero_optimization"], "the input config must not change"
+    own = engine_config("student", stage=2, default={}, override={"zero_optimization": {"reduce_bucket_size": 7}})
+    assert sized_buckets(own, 4160)["zero_optimization"]["reduce_bucket_size"] == 7
+    stage0 = engine_config("student", stage=0, default={}, override={})
+    assert "reduce_bucket_size" not in sized_buckets(stage0, 4160)["zero_optimization"]
 
 
 @pytest.mark.parametrize("key", ["gradient_clipping", "scheduler"])
