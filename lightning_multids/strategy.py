@@ -167,23 +167,28 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Set up as ``DDPStrategy.setup`` does, with DeepSpeed engines where DDP wraps the module.
 
-        In DDP's order: the accelerator; when fitting, the ``sync_batchnorm`` conversion; the module to the device;
-        then, when fitting, one engine per optimizer, and frozen engines (``lifecycle.build_engines``); otherwise
-        rank 0's weights and buffers to every rank, as DDP syncs module states outside fit, and one inference
-        engine per ZeRO-3 submodule. Last, the precision plugin. :meth:`teardown` undoes it in reverse.
+        In DDP's order: the accelerator; when fitting, the ``sync_batchnorm`` conversion, one engine per optimizer
+        and frozen engines (``lifecycle.build_engines``), then the rest of the module to the device; otherwise the
+        module to the device, rank 0's weights and buffers to every rank, as DDP syncs module states outside fit,
+        and one inference engine per ZeRO-3 submodule. Last, the precision plugin. :meth:`teardown` undoes it in
+        reverse. When fitting, each engine's submodule reaches the device through DeepSpeed, after DeepSpeed
+        casts it to the engine's dtype: moved first, a bf16 engine's submodule would be whole on the device
+        in fp32 (as large as the model twice over in bf16) before the cast, above Lightning's
+        ``DeepSpeedStrategy``, which also moves nothing before DeepSpeed does.
         """
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
-        self.model_to_device()
         module = self.lightning_module
         assert module is not None
         check_engine_names(module, self.engine_configs)
         if fitting:
             self._setup_fit(trainer, module)
+            self.model_to_device()  # the plain submodules: the engines' ones are on the device already
         else:
+            self.model_to_device()
             sync_replicated_states(module)
             self._engine_set = build_evaluation_engines(
                 module,

@@ -1,11 +1,13 @@
 """Per-rank script: what a frozen ZeRO-3 teacher holds on this rank.
 
-Usage: run_memory.py OUT build | run_memory.py OUT gathered [JSON]
+Usage: run_memory.py OUT build | run_memory.py OUT gathered [JSON] | run_memory.py OUT moved
 
 ``build``: a large teacher is built in configure_model; this rank's peak memory growth while it is built.
 ``gathered``: a teacher of 4 layers runs twice per step for 3 steps; which of its parameters are gathered whole
 on this rank at the start of each layer's forward, and after each of its forwards. ``JSON`` is the teacher's
 ``zero_optimization`` entry beyond the stage. The ZeRO-2 student's reduce bucket size is reported too.
+``moved``: bf16 fits with a ZeRO-2 and a ZeRO-3 frozen teacher built whole in ``__init__``; the dtype of the
+teacher's parameters each time a module holding it is moved to a device during setup.
 """
 
 from __future__ import annotations
@@ -114,10 +116,50 @@ class TwiceTeacher(pl.LightningModule):
         return torch.utils.data.DataLoader(patterns.make_batches(3), batch_size=4)
 
 
+class MovedTeacher(pl.LightningModule):
+    """A teacher and a student built whole in ``__init__``, in fp32; records how setup moves the teacher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+        self.student = nn.Linear(64, 64)
+        self.moves: list[str] = []
+
+    def setup(self, stage: str) -> None:  # Lightning calls it before the strategy's setup; on_fit_start after
+        original = nn.Module.to
+
+        def to(module: nn.Module, *args: object, **kwargs: object) -> nn.Module:
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            if device is not None and any(m is self.teacher for m in module.modules()):
+                self.moves.append(str(next(self.teacher.parameters()).dtype))
+            return original(module, *args, **kwargs)
+
+        nn.Module.to = to  # type: ignore[method-assign]
+        self._restore = lambda: setattr(nn.Module, "to", original)
+
+    def on_fit_start(self) -> None:
+        self._restore()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = batch[:, :1].expand(-1, 64).contiguous()
+        with torch.no_grad():
+            target = self.teacher(x)
+        return (self.student(x) - target).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.student.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(patterns.make_batches(1), batch_size=4)
+
+
 def main() -> None:
     out, mode, *extra = sys.argv[1:]
     if mode == "gathered":
         main_gathered(out, json.loads(extra[0]) if extra else {})
+        return
+    if mode == "moved":
+        main_moved(out)
         return
     module = BigTeacher()
     strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": {"stage": 3}}})
@@ -139,6 +181,17 @@ def main_gathered(out: str, zero: dict) -> None:
     trainer.fit(module)
     module.seen["student_bucket"] = module.student_bucket
     torch.save(module.seen, f"{out}.{trainer.global_rank}")
+
+
+def main_moved(out: str) -> None:
+    moves = {}
+    for stage in (2, 3):
+        module = MovedTeacher()
+        strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": {"stage": stage}}})
+        trainer = cpu_trainer(strategy, precision="bf16-mixed", max_steps=1, enable_checkpointing=False)
+        trainer.fit(module)
+        moves[stage] = module.moves
+    torch.save(moves, f"{out}.{trainer.global_rank}")
 
 
 if __name__ == "__main__":
