@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 # another checkout (another venv) never rebuilds it under a running job.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install demo test test-all test-compat test-gpu pytest lint typecheck bench bench-overhead bench-host bench-memory bench-gradcache bench-gpu clean
+.PHONY: install demo test test-all test-compat test-gpu pytest lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,7 @@ GPU_PYTHON ?= $(PY)
 test-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(STAMP))
 	$(GPU_PYTHON) -m pytest -m gpu tests/gpu -rs
 
-bench: bench-overhead bench-host bench-memory bench-gradcache
+bench: bench-overhead bench-host bench-memory bench-frozen bench-gradcache
 
 bench-overhead: $(STAMP)
 	for stage in 0 1 2 3; do \
@@ -69,15 +69,22 @@ bench-gpu: $(STAMP)
 	for precision in bf16-mixed 16-mixed; do for arch in mlp transformer; do for case in gan distill single; do \
 		for stage in 0 1 2 3; do $(VENV)/bin/torchrun --nproc-per-node $(GPUS) benchmarks/overhead.py --device cuda \
 			--precision $$precision --arch $$arch --case $$case --stage $$stage; done; done; done; done
+	for stage in 2 3; do \
+		$(VENV)/bin/torchrun --nproc-per-node $(GPUS) benchmarks/frozen.py --device cuda --stage $$stage; done
 
 bench-memory: $(STAMP)
 	for n in 1 2 4; do for stage in 1 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node $$n benchmarks/memory.py states --stage $$stage; done; done
 	for n in 2 4; do \
 		$(VENV)/bin/torchrun --nproc-per-node $$n benchmarks/memory.py states --stage 2 --hidden 256 --layers 24; done
-	for malloc in "" "MALLOC_MMAP_THRESHOLD_=65536"; do for teacher in "0" "3" "3 --lean"; do \
+	for malloc in "" "MALLOC_MMAP_THRESHOLD_=65536"; do for teacher in "0" "3" "3 --deepspeed-defaults"; do \
 		env $$malloc $(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/memory.py peak --teacher-stage $$teacher \
 			--teacher-hidden 2048 --teacher-layers 36; done; done
+
+# A frozen teacher beside a student: two engines against one, ZeRO-2 and -3, 1 and 2 processes (bench-gpu: on GPUs).
+bench-frozen: $(STAMP)
+	for n in 1 2; do for stage in 2 3; do \
+		$(VENV)/bin/torchrun --nproc-per-node $$n benchmarks/frozen.py --stage $$stage; done; done
 
 bench-gradcache: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 2

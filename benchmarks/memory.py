@@ -21,9 +21,9 @@ Peak resident memory of a distillation fit whose teacher is far larger than its 
     torchrun --nproc-per-node 2 benchmarks/memory.py peak --teacher-stage 3
 
 (``--teacher-stage 0``: the teacher replicated on every rank.) The teacher (``--teacher-layers`` hidden layers
-of ``--teacher-hidden``) is built in ``configure_model``, so at ZeRO-3 it is created partitioned. ``--lean``
-sets the teacher's ZeRO-3 live-parameter, reuse-distance and prefetch limits to 0, so each layer is gathered
-for its forward and released after it (DeepSpeed's defaults keep gathered layers alive).
+of ``--teacher-hidden``) is built in ``configure_model``, so at ZeRO-3 it is created partitioned. A frozen
+ZeRO-3 engine gathers each layer for its own forward and releases it after; ``--deepspeed-defaults`` gives the
+teacher DeepSpeed's own live-parameter, reuse-distance and prefetch settings instead, which gather ahead.
 """
 
 from __future__ import annotations
@@ -187,17 +187,19 @@ class BigTeacherDistill(pl.LightningModule):
         return torch.optim.Adam(self.student.parameters())
 
 
-LEAN_ZERO3 = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
-"""ZeRO-3 settings that release each gathered layer after its forward (DeepSpeed's defaults keep up to 1e9 live)."""
+DEEPSPEED_ZERO3 = {
+    "stage3_max_live_parameters": 10**9,
+    "stage3_max_reuse_distance": 10**9,
+    "stage3_prefetch_bucket_size": 5 * 10**7,
+}
+"""DeepSpeed's own values of the ZeRO-3 settings that a frozen engine sets to 0 unless its config sets them."""
 
 
-def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, lean: bool) -> None:
+def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, deepspeed_defaults: bool) -> None:
     """Print this rank's peak resident memory after a short distillation fit."""
     module = BigTeacherDistill(teacher_hidden, teacher_layers)
-    strategy = MultiDeepSpeedStrategy(
-        stage=2,
-        engine_configs={"teacher": {"zero_optimization": {"stage": teacher_stage, **(LEAN_ZERO3 if lean else {})}}},
-    )
+    teacher = {"stage": teacher_stage, **(DEEPSPEED_ZERO3 if deepspeed_defaults else {})}
+    strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": teacher}})
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -213,7 +215,8 @@ def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, lean: boo
     torch.distributed.all_gather(peaks, torch.tensor([rss]))
     if trainer.is_global_zero:
         print(
-            f"| {teacher_stage}{' (lean)' if lean else ''} | {teacher_layers} × {teacher_hidden} | "
+            f"| {teacher_stage}{' (DeepSpeed defaults)' if deepspeed_defaults else ''} | "
+            f"{teacher_layers} × {teacher_hidden} | "
             f"{teacher_numel / 1e6:.1f} M ({teacher_numel * 4 / 2**20:.0f} MiB fp32) | "
             f"{' / '.join(f'{p.item():.0f}' for p in peaks)} |",
             flush=True,
@@ -227,7 +230,9 @@ def main() -> None:
     parser.add_argument("--teacher-stage", type=int, choices=[0, 3], default=3)
     parser.add_argument("--teacher-hidden", type=int, default=4096)
     parser.add_argument("--teacher-layers", type=int, default=2, help="hidden layers of the teacher")
-    parser.add_argument("--lean", action="store_true", help="peak: the ZeRO-3 teacher releases each layer at once")
+    parser.add_argument(
+        "--deepspeed-defaults", action="store_true", help="peak: DeepSpeed's prefetch and live-parameter settings"
+    )
     parser.add_argument("--hidden", type=int, default=S["hidden"], help="states: the GAN's hidden width")
     parser.add_argument("--layers", type=int, default=S["gan_layers"], help="states: hidden layers per GAN model")
     args = parser.parse_args()
@@ -237,7 +242,7 @@ def main() -> None:
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         states(args.stage)
     else:
-        peak(args.teacher_stage, args.teacher_hidden, args.teacher_layers, args.lean)
+        peak(args.teacher_stage, args.teacher_hidden, args.teacher_layers, args.deepspeed_defaults)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
