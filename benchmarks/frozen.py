@@ -18,7 +18,8 @@ steps; the ratio A/B (and A/C) is the median of the per-round ratios. Peak memor
 steps. On a GPU it is ``torch.cuda.max_memory_allocated`` above what was allocated before the fit. On a CPU it
 is the same figure from torch's profiler: the most bytes held by tensors at once (its allocation events'
 running total), which counts a buffer that is allocated and never touched, as a GPU would, where resident memory
-does not.
+does not. ``--profile K`` lists, for each side, the K places in the code that allocated the most of what is
+alive at its peak (CPU only).
 
 ``--before`` gives A what it had before frozen engines were made lean and buckets sized: DeepSpeed's ZeRO-3
 prefetch, live-parameter and reuse-distance defaults on the teacher, and its 5e8-element reduce bucket on the
@@ -161,8 +162,12 @@ SIDES: dict[str, Callable[..., None]] = {"a": side_a, "b": side_b, "s": side_s, 
 
 
 @contextmanager
-def peak_bytes(device: str) -> Iterator[list[int]]:
-    """Yield a list that holds, on exit, the most bytes allocated at once inside the block above its start."""
+def peak_bytes(device: str, live: list[tuple[int, str]] | None = None) -> Iterator[list[int]]:
+    """Yield a list that holds, on exit, the most bytes allocated at once inside the block above its start.
+
+    On a CPU, ``live`` (if given) receives the bytes alive at that moment by the innermost Python frame outside
+    torch that allocated them, largest first.
+    """
     result: list[int] = []
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -170,10 +175,38 @@ def peak_bytes(device: str) -> Iterator[list[int]]:
         yield result
         result.append(torch.cuda.max_memory_allocated() - start)
         return
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=live is not None) as prof:
         yield result
-    totals = [event.extra_fields.total_allocated for event in _allocations(prof)]
+    events = sorted(_allocations(prof), key=lambda node: node.start_time_ns)
+    totals = [event.extra_fields.total_allocated for event in events]
     result.append(max(totals, default=0))
+    if live is not None and events:
+        live.extend(_live_at(events, totals.index(result[0])))
+
+
+def _live_at(events: list[Any], peak: int) -> list[tuple[int, str]]:
+    """The bytes of ``events[: peak + 1]`` not freed by then, summed by where they were allocated, largest first."""
+    alive: dict[int, tuple[int, str]] = {}
+    for node in events[: peak + 1]:
+        fields = node.extra_fields
+        if fields.alloc_size > 0:
+            alive[fields.ptr] = (fields.alloc_size, _caller(node))
+        else:
+            alive.pop(fields.ptr, None)
+    by_caller: dict[str, int] = {}
+    for size, caller in alive.values():
+        by_caller[caller] = by_caller.get(caller, 0) + size
+    return sorted(((size, caller) for caller, size in by_caller.items()), reverse=True)
+
+
+def _caller(node: Any) -> str:
+    from torch._C._profiler import _EventType
+
+    while node is not None:
+        if node.tag == _EventType.PyCall and "torch/" not in node.name:
+            return str(node.name)
+        node = node.parent
+    return "?"
 
 
 def _allocations(prof: profile) -> Iterator[Any]:
@@ -194,6 +227,7 @@ def main() -> None:
     parser.add_argument("--before", action="store_true", help="A as before frozen engines were made lean")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--profile", type=int, default=0, help="CPU: where what is alive at each peak came from")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     S.update(SIZES["gpu" if args.device == "cuda" else "cpu"])
@@ -214,10 +248,15 @@ def main() -> None:
             release_memory()
     peaks = {}
     for side in sides:
-        with peak_bytes(args.device) as peak:
+        live: list[tuple[int, str]] | None = [] if args.profile else None
+        with peak_bytes(args.device, live) as peak:
             SIDES[side](args.stage, args.before, data, 3, args.device, StepMeter(warmup=3))
         peaks[side] = peak[0]
         release_memory()
+        if live and rank == 0:
+            print(f"side {side}: {peak[0] / 2**20:.0f} MiB at the peak, allocated by:", flush=True)
+            for size, caller in live[: args.profile]:
+                print(f"  {size / 2**20:8.1f} MiB  {caller}", flush=True)
     report(args, times, peaks)
 
 
