@@ -155,7 +155,8 @@ def one_engine(settings: dict[str, Any], data: list[torch.Tensor], steps: int, m
 
 def side_c(stage: int, before: bool, data: list[torch.Tensor], steps: int, device: str, meter: StepMeter) -> None:
     """Lightning's DeepSpeedStrategy: one engine, its own defaults (GPU only: it refuses a CPU)."""
-    fit(DeepSpeedStrategy(stage=stage), data, steps, device, meter)
+    # Lightning reads the batch size off the loader's sampler, which a loader of ready batches lacks: name it.
+    fit(DeepSpeedStrategy(stage=stage, logging_batch_size_per_gpu=S["batch"]), data, steps, device, meter)
 
 
 SIDES: dict[str, Callable[..., None]] = {"a": side_a, "b": side_b, "s": side_s, "c": side_c}

@@ -54,7 +54,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.config import engine_config, frozen_config
+from lightning_multids.config import engine_config, frozen_config, sized_buckets
 
 SIZES = {
     # --size cpu: a few million parameters per engine, for 2 CPU processes.
@@ -335,6 +335,7 @@ def raw_engines(run: Run) -> dict[str, Any]:
             engines[name].eval()
         else:
             optimizer = torch.optim.Adam(module.parameters())
+            config = sized_buckets(config, sum(p.numel() for p in module.parameters()))
             engines[name], *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
     return engines
 
