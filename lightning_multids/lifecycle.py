@@ -144,7 +144,8 @@ def _build_trainable(
 
 def _numel(params: Iterable[nn.Parameter]) -> int:
     """The elements of ``params``, whole (a ZeRO-3 parameter built partitioned counts in full)."""
-    return sum(param.ds_numel if is_zero_param(param) else param.numel() for param in params)
+    whole = [param.ds_numel if is_zero_param(param) else param.numel() for param in params]  # type: ignore[attr-defined]
+    return int(sum(whole))
 
 
 def _add_frozen(result: EngineSet, name: str, engine: DeepSpeedEngine) -> None:
