@@ -204,10 +204,9 @@ FROZEN_ZERO3: dict[tuple[str, str], int] = {
 }
 """A frozen ZeRO-3 engine's defaults (each key under either of its names in DeepSpeed): no gathered layer kept.
 
-DeepSpeed's defaults (1e9 live elements and reuse distance, a 5e7-element prefetch bucket) gather layers ahead
-of the forward and keep them while they may be used again, so a model under a billion parameters ends up
-whole on every rank beside its partition. With these each layer is gathered for its own forward (or
-backward) and released after it.
+DeepSpeed's defaults (a 5e7-element prefetch bucket, 1e9 elements live, a 1e9 reuse distance) gather the layers
+after the one running, so whole layers (a whole model under 5e7 elements) sit beside their partitions during a
+forward. With these each layer is gathered for its own forward (or backward) and released after it.
 """
 
 

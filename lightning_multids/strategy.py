@@ -167,14 +167,14 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Set up as ``DDPStrategy.setup`` does, with DeepSpeed engines where DDP wraps the module.
 
-        In DDP's order: the accelerator; when fitting, the ``sync_batchnorm`` conversion, one engine per optimizer
-        and frozen engines (``lifecycle.build_engines``), then the rest of the module to the device; otherwise the
-        module to the device, rank 0's weights and buffers to every rank, as DDP syncs module states outside fit,
-        and one inference engine per ZeRO-3 submodule. Last, the precision plugin. :meth:`teardown` undoes it in
-        reverse. When fitting, each engine's submodule reaches the device through DeepSpeed, after DeepSpeed
-        casts it to the engine's dtype: moved first, a bf16 engine's submodule would be whole on the device
-        in fp32 (as large as the model twice over in bf16) before the cast, above Lightning's
-        ``DeepSpeedStrategy``, which also moves nothing before DeepSpeed does.
+        The accelerator; when fitting, the ``sync_batchnorm`` conversion, one engine per optimizer and frozen
+        engines (``lifecycle.build_engines``), then the rest of the module to the device; otherwise the module to
+        the device, rank 0's weights and buffers to every rank, as DDP syncs module states outside fit, and one
+        inference engine per ZeRO-3 submodule. Last, the precision plugin. :meth:`teardown` undoes it in reverse.
+        One step differs from DDP's order: when fitting, each engine's submodule reaches the device through
+        DeepSpeed, after DeepSpeed casts it to the engine's dtype. Moved first, a bf16 engine's submodule would
+        be whole on the device in fp32 (twice its bf16 size) before the cast; Lightning's ``DeepSpeedStrategy``
+        also leaves the move to DeepSpeed.
         """
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
