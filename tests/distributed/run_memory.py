@@ -7,7 +7,8 @@ Usage: run_memory.py OUT build | run_memory.py OUT gathered [JSON] | run_memory.
 on this rank at the start of each layer's forward, and after each of its forwards. ``JSON`` is the teacher's
 ``zero_optimization`` entry beyond the stage. The ZeRO-2 student's reduce bucket size is reported too.
 ``moved``: bf16 fits with a ZeRO-2 and a ZeRO-3 frozen teacher built whole in ``__init__``; the dtype of the
-teacher's parameters each time a module holding it is moved to a device during setup.
+teacher's parameters each time a module holding it is moved to a device during setup, and on a GPU the peak
+memory setup adds.
 """
 
 from __future__ import annotations
@@ -117,13 +118,19 @@ class TwiceTeacher(pl.LightningModule):
 
 
 class MovedTeacher(pl.LightningModule):
-    """A teacher and a student built whole in ``__init__``, in fp32; records how setup moves the teacher."""
+    """A teacher (12.7 M parameters, 48 MiB in fp32) and a small student built whole in ``__init__``, in fp32.
+
+    Records the teacher's dtype each time setup moves a module holding it to a device, and on a GPU the peak
+    memory that setup adds.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.teacher = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
-        self.student = nn.Linear(64, 64)
+        self.teacher = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(3)], nn.Linear(2048, 64))
+        self.student = nn.Linear(2048, 64)
+        self.teacher_bytes = sum(p.numel() for p in self.teacher.parameters()) * 4
         self.moves: list[str] = []
+        self.setup_peak: int | None = None
 
     def setup(self, stage: str) -> None:  # Lightning calls it before the strategy's setup; on_fit_start after
         original = nn.Module.to
@@ -136,12 +143,17 @@ class MovedTeacher(pl.LightningModule):
 
         nn.Module.to = to  # type: ignore[method-assign]
         self._restore = lambda: setattr(nn.Module, "to", original)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self._allocated = torch.cuda.memory_allocated()
 
     def on_fit_start(self) -> None:
         self._restore()
+        if torch.cuda.is_available():
+            self.setup_peak = torch.cuda.max_memory_allocated() - self._allocated
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        x = batch[:, :1].expand(-1, 64).contiguous()
+        x = batch[:, :1].expand(-1, 2048).contiguous()
         with torch.no_grad():
             target = self.teacher(x)
         return (self.student(x) - target).pow(2).mean()
@@ -190,7 +202,8 @@ def main_moved(out: str) -> None:
         strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": {"stage": stage}}})
         trainer = cpu_trainer(strategy, precision="bf16-mixed", max_steps=1, enable_checkpointing=False)
         trainer.fit(module)
-        moves[stage] = module.moves
+        moves[stage] = {"moves": module.moves, "setup_peak": module.setup_peak}
+    moves["teacher_fp32_bytes"] = module.teacher_bytes
     torch.save(moves, f"{out}.{trainer.global_rank}")
 
 

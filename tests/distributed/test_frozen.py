@@ -139,12 +139,16 @@ def test_setup_moves_an_engines_submodule_to_the_device_only_after_its_cast(tmp_
     """bf16 fits with a frozen teacher built whole in fp32 in ``__init__`` (ZeRO-2, run replicated, and ZeRO-3):
     the teacher reaches the device only in bf16, through DeepSpeed, as under Lightning's DeepSpeedStrategy.
     Moved before the cast, it would be whole on a GPU in fp32. On a CPU the move is a no-op; the test records
-    the dtype at each move.
+    the dtype at each move (the GPU suite also checks the memory).
     """
     out = tmp_path / "moved.pt"
     run_ranks(Path(__file__).with_name("run_memory.py"), str(out), "moved")
     for rank in (0, 1):
-        moves = torch.load(f"{out}.{rank}")
-        for stage in (2, 3):
-            assert moves[stage], f"ZeRO-{stage}: the teacher never reached the device"
-            assert set(moves[stage]) == {"torch.bfloat16"}, f"ZeRO-{stage}, rank {rank}: moved as {moves[stage]}"
+        assert_moved_in_bf16(torch.load(f"{out}.{rank}"))
+
+
+def assert_moved_in_bf16(result: dict) -> None:
+    for stage in (2, 3):
+        moves = result[stage]["moves"]
+        assert moves, f"ZeRO-{stage}: the teacher never reached the device"
+        assert set(moves) == {"torch.bfloat16"}, f"ZeRO-{stage}: the teacher was moved as {moves}"
