@@ -43,12 +43,11 @@ import torch
 import torch.nn.functional as F
 from common import BARE, StepMeter, release_memory, summarize, synchronize
 from lightning.pytorch.strategies import DeepSpeedStrategy
-from memory import DEEPSPEED_ZERO3
 from overhead import mlp
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.config import engine_config, merge
+from lightning_multids.config import DEEPSPEED_ZERO3, engine_config, merge
 from lightning_multids.internals import release_engine
 
 SIZES = {  # hidden width x hidden layers of teacher and student, batch per process

@@ -42,7 +42,7 @@ from common import BARE, formula
 from overhead import S, discriminator_loss, gan_modules, generator_loss, mlp
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.config import engine_config
+from lightning_multids.config import DEEPSPEED_ZERO3, engine_config
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "buffers")
 
@@ -185,14 +185,6 @@ class BigTeacherDistill(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.student.parameters())
-
-
-DEEPSPEED_ZERO3 = {
-    "stage3_max_live_parameters": 10**9,
-    "stage3_max_reuse_distance": 10**9,
-    "stage3_prefetch_bucket_size": 5 * 10**7,
-}
-"""DeepSpeed's own values of the ZeRO-3 settings that a frozen engine sets to 0 unless its config sets them."""
 
 
 def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, deepspeed_defaults: bool) -> None:

@@ -209,6 +209,14 @@ after the one running, so whole layers (a whole model under 5e7 elements) sit be
 forward. With these each layer is gathered for its own forward (or backward) and released after it.
 """
 
+DEEPSPEED_ZERO3 = {
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+}
+"""DeepSpeed's own defaults (read from DeepSpeed 0.19.8) of the settings in :data:`FROZEN_ZERO3`: set them in a
+frozen engine's ``zero_optimization`` to have it gather ahead as DeepSpeed does."""
+
 
 def frozen_config(name: str, config: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """Adapt an engine config for a frozen engine (no optimizer: inference only).

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_multids.config import DEEPSPEED_ZERO3
 from tests import patterns
 from tests.distributed.harness import run_ranks
 
@@ -104,14 +105,6 @@ def test_zero3_teacher_never_exists_whole_in_one_process(tmp_path: Path) -> None
             f"rank {rank}: memory grew by {result['growth'] / 2**20:.0f} MiB while building a "
             f"{result['teacher_bytes'] / 2**20:.0f} MiB teacher"
         )
-
-
-DEEPSPEED_ZERO3 = {
-    "stage3_max_live_parameters": 10**9,
-    "stage3_max_reuse_distance": 10**9,
-    "stage3_prefetch_bucket_size": 5 * 10**7,
-}
-"""DeepSpeed's own defaults for the settings a frozen ZeRO-3 engine gets its lean defaults for."""
 
 
 @pytest.mark.parametrize("settings", [{}, DEEPSPEED_ZERO3], ids=["lean-defaults", "users-settings"])

@@ -6,6 +6,8 @@ import pytest
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids.config import (
     DEEPSPEED_REDUCE_BUCKET,
+    DEEPSPEED_ZERO3,
+    FROZEN_ZERO3,
     apply_precision,
     engine_config,
     frozen_config,
@@ -156,6 +158,16 @@ def test_frozen_zero3_engine_gets_lean_defaults_and_the_users_settings_win() -> 
         assert not lean.keys() & frozen_config("teacher", config, {})["zero_optimization"].keys()
     trained = engine_config("student", stage=3, default={}, override={})  # a trained engine keeps DeepSpeed's
     assert not lean.keys() & trained["zero_optimization"].keys()
+
+
+def test_deepspeeds_defaults_written_here_are_deepspeeds() -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    defaults = DeepSpeedZeroConfig()
+    assert DEEPSPEED_ZERO3.keys() == {key for key, _ in FROZEN_ZERO3}
+    for key, alias in FROZEN_ZERO3:
+        assert DEEPSPEED_ZERO3[key] == getattr(defaults, alias)
+    assert defaults.reduce_bucket_size == DEEPSPEED_REDUCE_BUCKET
 
 
 def test_a_trained_engines_reduce_bucket_is_no_larger_than_its_gradients() -> None:
