@@ -47,7 +47,7 @@ from overhead import mlp
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.config import DEEPSPEED_ZERO3, engine_config, merge
+from lightning_multids.config import DEEPSPEED_REDUCE_BUCKET, DEEPSPEED_ZERO3, engine_config, merge
 from lightning_multids.internals import release_engine
 
 SIZES = {  # hidden width x hidden layers of teacher and student, batch per process
@@ -114,7 +114,7 @@ def side_a(stage: int, before: bool, data: list[torch.Tensor], steps: int, devic
     student: dict[str, Any] = {"zero_optimization": {"stage": stage}}
     if before:
         teacher["zero_optimization"].update(DEEPSPEED_ZERO3)
-        student["zero_optimization"]["reduce_bucket_size"] = 5 * 10**8
+        student["zero_optimization"]["reduce_bucket_size"] = DEEPSPEED_REDUCE_BUCKET
     strategy = MultiDeepSpeedStrategy(engine_configs={"teacher": teacher, "student": student})
     fit(strategy, data, steps, device, meter)
 
@@ -131,6 +131,7 @@ def side_s(stage: int, before: bool, data: list[torch.Tensor], steps: int, devic
 
 
 def one_engine(settings: dict[str, Any], data: list[torch.Tensor], steps: int, meter: StepMeter) -> None:
+    """Train the whole module as one engine with ``settings`` for ``steps`` steps, timing each after warm-up."""
     stage = settings["zero_optimization"]["stage"]
     module = Distill()
     if stage == 3:
@@ -140,11 +141,10 @@ def one_engine(settings: dict[str, Any], data: list[torch.Tensor], steps: int, m
         module.configure_model()
     optimizer = torch.optim.Adam(module.student.parameters())
     engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=settings)
-    dtype = torch.bfloat16
     for index, images in enumerate(data[:steps]):
         synchronize()
         start = time.perf_counter()
-        engine.backward(engine(images.to(engine.device, dtype)))
+        engine.backward(engine(images.to(engine.device, torch.bfloat16)))
         engine.step()
         synchronize()
         if index >= meter.warmup:
