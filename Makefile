@@ -4,21 +4,20 @@
 # (the package index's CUDA build, about 4.6 GB; it runs on CPU).
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
+# Where torch comes from: empty for pip's configured index (PyPI: a CUDA build on Linux), or e.g.
+# https://download.pytorch.org/whl/cpu for PyTorch's CPU-only wheels.
+TORCH_INDEX ?=
 COMPAT_TORCH ?= 2.11.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-# DeepSpeed JIT-builds a CPU communication op on first use; keep the build with this checkout's venv so that
-# another checkout (another venv) never rebuilds it under a running job.
-export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
-
 .PHONY: install demo test test-all test-compat test-gpu pytest lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip wheel "setuptools>=68"
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --upgrade pip wheel "setuptools>=77"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.19.8,<0.20"
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
 	touch $(STAMP)

@@ -1,16 +1,20 @@
 """lightning_multids: one DeepSpeed engine per submodule of a LightningModule."""
 
+from lightning_multids.environment import keep_extensions_in_environment, quiet_accelerator_guess
+
+keep_extensions_in_environment()
 try:
-    import deepspeed  # noqa: F401  (a hard requirement: the strategy is DeepSpeed engines)
+    with quiet_accelerator_guess():
+        import deepspeed  # noqa: F401  (a hard requirement: the strategy is DeepSpeed engines)
 except ImportError as error:  # pragma: no cover - exercised in a subprocess by the tests
     raise ModuleNotFoundError(
         "lightning_multids needs DeepSpeed, which could not be imported "
         f"({error}). Install it with `pip install 'deepspeed>=0.19.8,<0.20'` (after torch)."
     ) from error
 
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402  (after DeepSpeed, quietly imported)
 
-from lightning_multids.strategy import MultiDeepSpeedStrategy
+from lightning_multids.strategy import MultiDeepSpeedStrategy  # noqa: E402
 
 __all__ = ["MultiDeepSpeedStrategy"]
 __version__ = "0.1.0"

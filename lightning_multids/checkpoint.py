@@ -104,8 +104,8 @@ def resolve(path: str | Path) -> Path:
         if (old / LIGHTNING_FILE).is_file():
             return old
         raise ValueError(
-            f"The checkpoint {str(path)!r} does not exist. Pass the directory a MultiDeepSpeedStrategy run saved "
-            "(e.g. `ckpt_path='last'`, or a path from `ModelCheckpoint.best_model_path`)."
+            f"The checkpoint {str(path)!r} does not exist. Pass a directory that a MultiDeepSpeedStrategy run saved: "
+            "its `checkpoints/last.ckpt` (`ModelCheckpoint(save_last=True)`) or `ModelCheckpoint.best_model_path`."
         )
     if not (path / LIGHTNING_FILE).is_file():
         raise ValueError(

@@ -6,6 +6,10 @@ selectable under ``trainer.strategy`` by class path (with ``init_args``) or by i
 ``multi_deepspeed``. Class paths resolve from the current directory too, as with ``python -m``, so
 ``examples.gan.DigitsGAN`` works from the repository root.
 
+``--ckpt_path last`` finds the newest ``last.ckpt`` of the logger's earlier versions (each run logs into a
+new ``version_N`` folder, so Lightning alone would look only in the new, empty one). An error stops every
+rank, but only rank 0 prints its traceback; the others have logged it in one line.
+
 ``lightning-multids export CKPT OUT [--dtype bf16]`` writes one plain ``state_dict`` per engine.
 """
 
@@ -13,15 +17,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_multids  # noqa: F401  (registers the strategy name `multi_deepspeed`)
-from lightning_multids.checkpoint import export
+from lightning_multids.checkpoint import LIGHTNING_FILE, export
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DESCRIPTION = (
@@ -48,6 +56,58 @@ class MultiDeepSpeedCLI(LightningCLI):
             run=run,
         )
 
+    def before_fit(self) -> None:
+        """Resolve ``--ckpt_path last`` across the logger's versions (see :func:`newest_last_checkpoint`)."""
+        self._resolve_last()
+
+    def before_validate(self) -> None:
+        """As :meth:`before_fit`."""
+        self._resolve_last()
+
+    def before_test(self) -> None:
+        """As :meth:`before_fit`."""
+        self._resolve_last()
+
+    def before_predict(self) -> None:
+        """As :meth:`before_fit`."""
+        self._resolve_last()
+
+    def _resolve_last(self) -> None:
+        arguments = self.config_init[self.subcommand]
+        if arguments.get("ckpt_path") != "last" or not _checkpoints_per_version(self.trainer):
+            return  # Lightning's own "last": the fixed `dirpath` of a ModelCheckpoint
+        logger = self.trainer.loggers[0]
+        found = newest_last_checkpoint(Path(str(logger.save_dir)) / str(logger.name))
+        if found is None:
+            rank_zero_info(
+                f"--ckpt_path last: no last checkpoint under {Path(str(logger.save_dir)) / str(logger.name)}/*/"
+                "checkpoints, so this run starts from scratch."
+            )
+        else:
+            rank_zero_info(f"--ckpt_path last: resuming from {found}")
+        arguments["ckpt_path"] = None if found is None else str(found)
+
+
+_LAST = re.compile(rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-v?\d+)?{re.escape(ModelCheckpoint.FILE_EXTENSION)}$")
+
+
+def _checkpoints_per_version(trainer: pl.Trainer) -> bool:
+    """Whether the trainer saves checkpoints into each logger version's folder (no ``dirpath`` of its own)."""
+    callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    return bool(trainer.loggers) and bool(callbacks) and all(c.dirpath is None for c in callbacks)
+
+
+def newest_last_checkpoint(root: Path) -> Path | None:
+    """The most recently written complete ``last.ckpt`` (or ``last-vN.ckpt``) in ``root/*/checkpoints``.
+
+    ``root`` is a logger's ``save_dir/name``; its subfolders are the runs' versions. As Lightning's own
+    ``ckpt_path="last"``, the newest by modification time wins.
+    """
+    found = [
+        path for path in root.glob("*/checkpoints/*") if _LAST.match(path.name) and (path / LIGHTNING_FILE).is_file()
+    ]
+    return max(found, key=lambda path: path.stat().st_mtime) if found else None
+
 
 def export_main(argv: Sequence[str]) -> None:
     """Run ``export CKPT OUT [--dtype bf16]``: one ``state_dict`` per engine in ``OUT``, then print the paths."""
@@ -61,7 +121,11 @@ def export_main(argv: Sequence[str]) -> None:
         "--dtype", choices=sorted(DTYPES), default="fp32", help="the dtype of the weights written (default fp32)"
     )
     args = parser.parse_args(list(argv))
-    for path in export(args.checkpoint, args.out, dtype=DTYPES[args.dtype]):
+    try:
+        paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype])
+    except (ValueError, OSError) as error:  # a wrong path or not a checkpoint: the message says which
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    for path in paths:
         print(path)
 
 
@@ -73,7 +137,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    MultiDeepSpeedCLI(args)
+    try:
+        MultiDeepSpeedCLI(None if argv is None else args)  # None: LightningCLI reads sys.argv itself
+    except Exception:
+        if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
+            raise
+        sys.exit(1)  # the strategy logged this rank's error in one line (`on_exception`); rank 0 shows a traceback
 
 
 if __name__ == "__main__":

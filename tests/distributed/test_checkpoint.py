@@ -103,7 +103,7 @@ def test_validate_from_a_checkpoint_in_a_fresh_process(trained: Path) -> None:
 def test_bad_checkpoint_paths_fail_clearly(trained: Path) -> None:
     outputs = run_ranks(SCENARIOS, "errors", str(trained))
     messages = dict(re.findall(r"^RESULT (\w+): (.*)$", outputs[0], flags=re.M))
-    assert re.search(r"nowhere.ckpt' does not exist.*ckpt_path='last'", messages["missing"]), messages["missing"]
+    assert re.search(r"nowhere.ckpt' does not exist.*checkpoints/last.ckpt", messages["missing"]), messages["missing"]
     assert re.search(r"plain.ckpt' is not a MultiDeepSpeedStrategy checkpoint", messages["not_ours"])
     assert re.search(
         r"holds the engines \['discriminator', 'generator'\].*trains \['student'\]", messages["other_engines"]

@@ -1,0 +1,51 @@
+"""What ``import lightning_multids`` sets up before DeepSpeed is imported.
+
+- DeepSpeed JIT-builds a communication op with torch's C++ extension builder on its first process group.
+  torch keeps such builds in ``~/.cache/torch_extensions/py311_cpu/``, a folder shared by every
+  environment of that Python, whatever its torch or DeepSpeed: two virtual environments rebuild the op over
+  each other (30-45 s each time). Unless ``TORCH_EXTENSIONS_DIR`` is set, it is set to a folder inside the
+  running environment (``sys.prefix``), so each environment builds once and keeps its build.
+- DeepSpeed warns on import, on every machine without a GPU, that it set its accelerator to the CPU because
+  it found no GPU. The strategy sets DeepSpeed's accelerator from the Trainer's anyway
+  (:mod:`lightning_multids.accelerator`), so that one message is dropped while DeepSpeed is imported here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+EXTENSIONS_VARIABLE = "TORCH_EXTENSIONS_DIR"
+DEEPSPEED_LOGGER = "DeepSpeed"
+ACCELERATOR_GUESS = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+"""DeepSpeed 0.19.8's warning when it finds no GPU (``deepspeed/accelerator/real_accelerator.py``)."""
+
+
+def default_extensions_dir() -> Path:
+    """Where torch builds C++ extensions for this environment when ``TORCH_EXTENSIONS_DIR`` is unset."""
+    return Path(sys.prefix) / "torch_extensions"
+
+
+def keep_extensions_in_environment() -> None:
+    """Set ``TORCH_EXTENSIONS_DIR`` to :func:`default_extensions_dir` unless it is set already."""
+    os.environ.setdefault(EXTENSIONS_VARIABLE, str(default_extensions_dir()))
+
+
+class _DropAcceleratorGuess(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != ACCELERATOR_GUESS
+
+
+@contextmanager
+def quiet_accelerator_guess() -> Iterator[None]:
+    """Drop DeepSpeed's no-GPU accelerator warning inside the block (the filter is removed after it)."""
+    logger, drop = logging.getLogger(DEEPSPEED_LOGGER), _DropAcceleratorGuess()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)

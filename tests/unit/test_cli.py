@@ -1,0 +1,76 @@
+"""The ``lightning-multids`` command's own behaviour: ``export`` errors, ``--ckpt_path last``, import-time setup."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_multids.cli import main, newest_last_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_export_of_a_missing_checkpoint_is_one_line_naming_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(tmp_path / "nowhere.ckpt"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("lightning-multids export: error: The checkpoint ") and "nowhere.ckpt" in error
+    assert "ckpt_path" not in error and "Traceback" not in error
+
+
+def test_export_of_a_directory_that_is_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(SystemExit):
+        main(["export", str(tmp_path / "plain"), str(tmp_path / "out")])
+    assert "is not a MultiDeepSpeedStrategy checkpoint" in capsys.readouterr().err
+
+
+def make_checkpoint(path: Path, mtime: float, complete: bool = True) -> Path:
+    path.mkdir(parents=True)
+    if complete:
+        (path / "lightning.pt").write_bytes(b"")
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_newest_last_checkpoint_across_versions(tmp_path: Path) -> None:
+    assert newest_last_checkpoint(tmp_path) is None
+    make_checkpoint(tmp_path / "version_0" / "checkpoints" / "last.ckpt", 100)
+    newest = make_checkpoint(tmp_path / "version_1" / "checkpoints" / "last-v1.ckpt", 300)
+    make_checkpoint(tmp_path / "version_2" / "checkpoints" / "epoch=3-step=8.ckpt", 400)  # not a last one
+    make_checkpoint(tmp_path / "version_3" / "checkpoints" / "last.ckpt", 500, complete=False)  # being written
+    make_checkpoint(tmp_path / "version_10" / "checkpoints" / "last.ckpt", 200)
+    assert newest_last_checkpoint(tmp_path) == newest
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    environment.update(env, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=120, check=True
+    )
+
+
+def test_import_keeps_torch_extensions_in_the_environment_and_drops_the_accelerator_guess() -> None:
+    code = (
+        "import logging, os, sys, lightning_multids; print(os.environ['TORCH_EXTENSIONS_DIR']); "
+        "print(sys.prefix); print(len(logging.getLogger('DeepSpeed').filters))"
+    )
+    result = run_python(code)
+    extensions, prefix, filters = result.stdout.splitlines()[-3:]
+    assert extensions == str(Path(prefix) / "torch_extensions")
+    assert filters == "0", "the filter must be gone after the import"
+    assert "Setting accelerator to CPU" not in result.stdout + result.stderr
+
+
+def test_a_torch_extensions_dir_set_by_the_user_wins(tmp_path: Path) -> None:
+    code = "import os, lightning_multids; print(os.environ['TORCH_EXTENSIONS_DIR'])"
+    result = run_python(code, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert result.stdout.splitlines()[-1] == str(tmp_path)
