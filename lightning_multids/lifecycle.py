@@ -124,7 +124,7 @@ def _build_trainable(
     for name, index in plan.matched.items():
         optimizer = plan.optimizers[index]
         params = [list(group["params"]) for group in optimizer.param_groups]
-        config = sized_buckets(configs[name], _numel(p for group in params for p in group))
+        config = sized_buckets(configs[name], whole_numel(p for group in params for p in group))
         engine = build_engine(getattr(module, name), config, optimizer)
         _add_trainable(result, name, engine, optimizer, params)
     # Schedulers from configure_optimizers stay the user's objects, in the user's order, stepped as under DDP:
@@ -133,7 +133,7 @@ def _build_trainable(
     result.scheduler_configs.extend(plan.scheduler_configs)
     for name in plan.from_config:
         trainable = [p for p in getattr(module, name).parameters() if p.requires_grad]
-        engine = build_engine(getattr(module, name), sized_buckets(configs[name], _numel(trainable)))
+        engine = build_engine(getattr(module, name), sized_buckets(configs[name], whole_numel(trainable)))
         _add_trainable(result, name, engine, internals.torch_optimizer(engine), [trainable])
         if engine.lr_scheduler is not None:
             result.scheduler_configs.append(config_scheduler(name, engine, plan.manual))
@@ -142,7 +142,7 @@ def _build_trainable(
     result.switched_to_manual = plan.switched
 
 
-def _numel(params: Iterable[nn.Parameter]) -> int:
+def whole_numel(params: Iterable[nn.Parameter]) -> int:
     """The elements of ``params``, whole (a ZeRO-3 parameter built partitioned counts in full)."""
     whole = [param.ds_numel if is_zero_param(param) else param.numel() for param in params]  # type: ignore[attr-defined]
     return int(sum(whole))

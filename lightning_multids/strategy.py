@@ -40,6 +40,7 @@ from lightning_multids.lifecycle import (
     sync_replicated_states,
     zero3_init,
 )
+from lightning_multids.model_summary import count_partitioned
 from lightning_multids.planning import check_clip_algorithm, warn_gradient_readers
 from lightning_multids.precision import EnginePrecision
 
@@ -110,6 +111,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         }
         self.save_frozen = save_frozen
         self._engine_set = EngineSet()
+        self._restore_summary: Callable[[], None] = _nothing
 
     @property
     def engine_overrides(self) -> dict[str, dict[str, Any]]:
@@ -218,6 +220,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         warn_gradient_readers(module, self._engine_set.trainable_engines)
         self.optimizers = list[Optimizer](self._engine_set.optimizers)
         self.lr_scheduler_configs = self._engine_set.scheduler_configs
+        self._restore_summary = count_partitioned(trainer, self._engine_set.engines)  # before on_fit_start
 
     @override
     @contextmanager
@@ -416,6 +419,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         the user's modules; ZeRO-3 ones stay partitioned (see :meth:`consolidated_state_dict`).
         """
         release_engines(self._engine_set)
+        self._restore_summary()
+        self._restore_summary = _nothing
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             forget_requested(self.lightning_module.trainer)  # the dataloaders the engines were sized from
         super().teardown()  # as DDP: reverts sync_batchnorm, moves the module to the CPU
@@ -444,6 +449,10 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             cls,
             description="One DeepSpeed engine per submodule, with a manual multi-optimizer loop",
         )
+
+
+def _nothing() -> None:
+    pass
 
 
 def _refuse_checkpoint_io(checkpoint_io: CheckpointIO | None) -> None:

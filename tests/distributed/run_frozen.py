@@ -12,6 +12,7 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelSummary
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
@@ -59,6 +60,19 @@ class FrozenModule(pl.LightningModule):
         return sharded_loader(self, data)
 
 
+class ReadSummary(pl.Callback):
+    """What the trainer's ModelSummary callback counts at the start of fit, per top-level submodule."""
+
+    def __init__(self, summary: ModelSummary) -> None:
+        self.summary = summary
+        self.value: dict = {}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        counted = self.summary._summary(trainer, pl_module)
+        layers = dict(zip(counted.layer_names, counted.param_nums, strict=True))
+        self.value = {"total": counted.total_parameters, "layers": layers}
+
+
 def partition_share(module: torch.nn.Module) -> float:
     """The fraction of ``module``'s parameters this rank holds (1.0 when not partitioned)."""
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in module.parameters())
@@ -85,9 +99,12 @@ def main() -> None:
                 "dtype": str(next(s.lightning_module.trained.parameters()).dtype),  # fp32 again after teardown
             }
         )
+        summary = ModelSummary()
+        read_summary = ReadSummary(summary)
         trainer = cpu_trainer(
             strategy,
-            callbacks=[engines_at_end],
+            callbacks=[engines_at_end, summary, read_summary],
+            enable_model_summary=True,
             precision=precision,
             enable_checkpointing=False,
             use_distributed_sampler=False,
@@ -105,6 +122,9 @@ def main() -> None:
             **engines_at_end.value,
             "built_partitioned": getattr(module, "built_partitioned", None),
             "trained_partitioned": any(hasattr(p, "ds_id") for p in module.trained.parameters()),
+            "case": case,
+            "summary": read_summary.value,
+            "summary_restored": "_summary" not in vars(summary),
         }
     if trainer.global_rank == 0:
         torch.save(results, out)

@@ -43,6 +43,20 @@ def assert_frozen(result: dict, frozen_stage: int) -> None:
         assert result["frozen_share"] == pytest.approx(0.5, abs=0.02), "ZeRO-3 must hold about 1/N per rank"
     else:
         assert result["frozen_share"] == 1.0
+    assert_summary_counts_whole(result)
+
+
+def assert_summary_counts_whole(result: dict) -> None:
+    """Lightning's model summary counts every submodule's parameters whole, a ZeRO-3 engine's too."""
+    if result["case"] == "frozen_middle":
+        (trained, _), (_, frozen) = patterns.make_modules(), patterns.make_modules()
+    else:
+        frozen, trained = patterns.make_distill_modules()
+    expected = {"frozen": sum(p.numel() for p in frozen.parameters())}
+    expected["trained"] = sum(p.numel() for p in trained.parameters())
+    assert result["summary"]["layers"] == expected, result["summary"]
+    assert result["summary"]["total"] == sum(expected.values())
+    assert result["summary_restored"], "the summary callback must be put back at teardown"
 
 
 @pytest.mark.parametrize("teacher_stage", [0, 3])
