@@ -1,4 +1,4 @@
-"""Utilities beside the strategy: GradCache for contrastive training, and a gradient-reduction counter.
+"""Utilities beside the strategy: GradCache for contrastive training, a gradient-reduction counter, a run summary.
 
 Neither is needed to train with :class:`~lightning_multids.MultiDeepSpeedStrategy`; the strategy does not
 import them.
@@ -6,5 +6,6 @@ import them.
 
 from lightning_multids.utilities.gradcache import gather_with_grad, grad_cache, info_nce
 from lightning_multids.utilities.reductions import ReductionCounter
+from lightning_multids.utilities.summary import RunSummary
 
-__all__ = ["ReductionCounter", "gather_with_grad", "grad_cache", "info_nce"]
+__all__ = ["ReductionCounter", "RunSummary", "gather_with_grad", "grad_cache", "info_nce"]
