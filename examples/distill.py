@@ -11,6 +11,8 @@ The student sees only a fifth of the training labels in the last two runs; the t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -111,9 +113,18 @@ class Distillation(Classified):
         super().__init__()
         self.save_hyperparameters()
         self.teacher = MLP(teacher_hidden)
-        self.teacher.load_state_dict(consolidated_state_dicts(teacher_checkpoint)["net"])
         self.student = MLP(student_hidden)
         self.teacher_accuracy = MulticlassAccuracy(CLASSES, average="micro")
+
+    def setup(self, stage: str) -> None:
+        """Load the teacher's trained weights, on every rank, before the strategy builds its engine."""
+        path = Path(self.hparams.teacher_checkpoint)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"The teacher checkpoint {str(path)!r} does not exist. Train the teacher first: "
+                "`lightning-multids fit --config configs/distill_teacher.yaml` writes it."
+            )
+        self.teacher.load_state_dict(consolidated_state_dicts(path)["net"])
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         super().validation_step(batch, batch_idx)
