@@ -4,13 +4,16 @@ Run it through the CLI on 2 CPU processes (Lightning starts the second one)::
 
     lightning-multids fit --config configs/gan.yaml
 
-The generator trains under ZeRO-1 and the discriminator under ZeRO-2 (``configs/ds/``). Each validation
-epoch logs the Kernel Inception Distance between generated and held-out digits, measured in the feature
-space of a small digit classifier (:mod:`examples.digits`), and a grid of samples to TensorBoard.
+The generator trains under ZeRO-1 and the discriminator under ZeRO-2 (``configs/ds/``). Both are told which
+digit to draw or judge (a conditional GAN): an unconditional one of this size collapses onto a few digits.
+Each validation epoch logs the Kernel Inception Distance between generated and held-out digits, measured in
+the feature space of a small digit classifier (:mod:`examples.digits`), the share of the least frequent
+digit among samples as that classifier labels them, and a grid of samples (one column per digit).
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -19,9 +22,10 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from PIL import Image
 from torch import nn
+from torch.optim.lr_scheduler import CosineAnnealingLR, LRScheduler
 from torchmetrics.image.kid import KernelInceptionDistance
 
-from examples.digits import IMAGE, load_features
+from examples.digits import CLASSES, IMAGE, DigitsFeatures, load_features
 
 
 class Generator(nn.Module):
@@ -29,7 +33,7 @@ class Generator(nn.Module):
         super().__init__()
         self.latent_dim = latent_dim
         self.net = nn.Sequential(
-            nn.Linear(latent_dim, hidden),
+            nn.Linear(latent_dim + CLASSES, hidden),
             nn.LeakyReLU(0.2),
             nn.Linear(hidden, hidden),
             nn.LeakyReLU(0.2),
@@ -37,12 +41,18 @@ class Generator(nn.Module):
             nn.Tanh(),
         )
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.net(z)
+    def forward(self, z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([z, F.one_hot(labels, CLASSES).to(z.dtype)], dim=1))
 
-    def sample(self, n: int, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``n`` generated images (n x 64) from fresh noise (from ``generator`` when given)."""
-        return self(torch.randn(n, self.latent_dim, generator=generator).to(device))
+    def sample(
+        self,
+        labels: torch.Tensor,
+        device: torch.device,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """One generated image (n x 64) of each digit in ``labels`` from fresh noise (from ``generator`` when given)."""
+        z = torch.randn(len(labels), self.latent_dim, generator=generator)
+        return self(z.to(device), labels.to(device))
 
 
 class Discriminator(nn.Module):
@@ -53,11 +63,19 @@ class Discriminator(nn.Module):
             nn.LeakyReLU(0.2),
             nn.Linear(hidden, hidden),
             nn.LeakyReLU(0.2),
-            nn.Linear(hidden, 1),
+            nn.Linear(hidden, 1 + CLASSES),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The real-or-generated logit (n) and the digit's class logits (n x 10)."""
+        out = self.net(x)
+        return out[:, 0], out[:, 1:]
+
+    def loss(self, x: torch.Tensor, real: bool, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Binary cross-entropy against ``real``, plus cross-entropy of the class logits against ``labels`` if given."""
+        logit, classes = self(x)
+        loss = F.binary_cross_entropy_with_logits(logit, torch.full_like(logit, float(real)))
+        return loss if labels is None else loss + F.cross_entropy(classes, labels)
 
 
 class DigitsGAN(pl.LightningModule):
@@ -66,39 +84,41 @@ class DigitsGAN(pl.LightningModule):
     Args:
         latent_dim: the size of the generator's noise.
         lr: Adam's learning rate for both engines.
-        grid_size: how many samples the image grid logged each validation epoch shows.
+        grid_rows: how many samples of each digit the image grid logged each validation epoch shows.
+        histogram_samples: how many samples the class histogram at the end of fit labels.
     """
 
-    def __init__(self, latent_dim: int = 16, lr: float = 1e-3, grid_size: int = 64) -> None:
+    def __init__(
+        self, latent_dim: int = 16, lr: float = 1e-3, grid_rows: int = 6, histogram_samples: int = 2000
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.generator = Generator(latent_dim)
         self.discriminator = Discriminator()
-        # A plain submodule (no optimizer, no engine): KID in a digit classifier's feature space.
-        self.kid = KernelInceptionDistance(feature=load_features(), subsets=20, subset_size=100)
-        self.samples_png: Path | None = None
+        # Plain submodules (no optimizer, no engine): KID in a digit classifier's feature space, and the classifier.
+        with warnings.catch_warnings():  # torchmetrics warns that KID keeps its features: 2 x 900 x 32 floats here
+            warnings.filterwarnings("ignore", message=".*will save all extracted features in buffer")
+            self.kid = KernelInceptionDistance(feature=load_features(), subsets=20, subset_size=100)
+        self.classifier = load_features()
+        self.run_summary: dict[str, str] = {}  # extra lines for lightning_multids.utilities.RunSummary
 
     def on_train_start(self) -> None:
         torch.manual_seed(1234 + self.global_rank)  # different noise on each rank
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        real, _ = batch
+        real, labels = batch
         opt_g, opt_d = self.optimizers()
-        fake = self.generator.sample(real.size(0), self.device)
+        fake = self.generator.sample(labels, self.device)
 
-        # Discriminator: called twice, on real and on (detached) generated images.
-        real_logits, fake_logits = self.discriminator(real), self.discriminator(fake.detach())
-        d_loss = F.binary_cross_entropy_with_logits(
-            real_logits, torch.ones_like(real_logits)
-        ) + F.binary_cross_entropy_with_logits(fake_logits, torch.zeros_like(fake_logits))
+        # Discriminator: called twice, on real and on (detached) generated images; it learns to name real digits.
+        d_loss = self.discriminator.loss(real, True, labels) + self.discriminator.loss(fake.detach(), False)
         opt_d.zero_grad()
         self.manual_backward(d_loss)
         opt_d.step()
 
         # Generator: its loss flows through the discriminator, whose gradients stay off while toggled.
         with self.toggled_optimizer(opt_g):
-            logits = self.discriminator(fake)
-            g_loss = F.binary_cross_entropy_with_logits(logits, torch.ones_like(logits))
+            g_loss = self.discriminator.loss(fake, True, labels)
             opt_g.zero_grad()
             self.manual_backward(g_loss)
             opt_g.step()
@@ -106,28 +126,56 @@ class DigitsGAN(pl.LightningModule):
         self.log_dict({"train/d_loss": d_loss, "train/g_loss": g_loss}, prog_bar=True, sync_dist=True)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        real, _ = batch
+        real, labels = batch
         self.kid.update(real, real=True)
-        self.kid.update(self.generator.sample(real.size(0), self.device), real=False)
+        self.kid.update(self.generator.sample(labels, self.device), real=False)
 
     def on_validation_epoch_end(self) -> None:
         kid_mean, _ = self.kid.compute()  # gathers every rank's features
         self.kid.reset()
-        self.log("val/kid", kid_mean, prog_bar=True)
-        # The same noise every epoch, so the grids show one set of samples improving.
+        shares = self.class_shares(self.hparams.histogram_samples // 4)
+        self.log_dict({"val/kid": kid_mean, "val/rarest_digit": shares.min()}, prog_bar=True, sync_dist=True)
+        # The same noise every epoch, so the grids show one set of samples improving; a column per digit.
         fixed = torch.Generator().manual_seed(0)
-        grid = image_grid(self.generator.sample(self.hparams.grid_size, self.device, generator=fixed))
+        labels = torch.arange(CLASSES).repeat(self.hparams.grid_rows)
+        grid = image_grid(self.generator.sample(labels, self.device, generator=fixed), columns=CLASSES)
         if self.trainer.is_global_zero and isinstance(self.logger, TensorBoardLogger):
             self.logger.experiment.add_image("samples", grid, self.global_step, dataformats="HW")
-            self.samples_png = Path(self.logger.log_dir) / "samples.png"
-            save_png(grid, self.samples_png)
+            samples_png = Path(self.logger.log_dir) / "samples.png"
+            save_png(grid, samples_png)
+            self.run_summary["Samples"] = str(samples_png)
 
-    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+    def on_train_end(self) -> None:
+        shares = self.class_shares(self.hparams.histogram_samples)
+        histogram = "  ".join(f"{digit}: {share:.1%}" for digit, share in enumerate(shares.tolist()))
+        self.run_summary["Digits drawn"] = f"{histogram} (of {self.hparams.histogram_samples}, by the classifier)"
+
+    @torch.no_grad()
+    def class_shares(self, n: int) -> torch.Tensor:
+        """The share of each digit among ``n`` samples (n/10 asked of each), as the example's classifier labels them."""
+        labels = torch.arange(CLASSES).repeat_interleave(n // CLASSES)
+        fixed = torch.Generator().manual_seed(1)
+        return digit_shares(self.classifier, self.generator.sample(labels, self.device, generator=fixed))
+
+    def on_train_epoch_end(self) -> None:
+        for scheduler in self.lr_schedulers():  # manual optimization: the schedulers are stepped here
+            scheduler.step()
+
+    def configure_optimizers(self) -> tuple[list[torch.optim.Optimizer], list[LRScheduler]]:
         betas = (0.5, 0.999)
-        return [
+        optimizers = [
             torch.optim.Adam(self.generator.parameters(), lr=self.hparams.lr, betas=betas),
             torch.optim.Adam(self.discriminator.parameters(), lr=self.hparams.lr, betas=betas),
         ]
+        # The learning rates decay to 0 over the run: a GAN's samples keep swinging at a constant rate.
+        epochs = max(self.trainer.max_epochs or 1, 1)
+        return optimizers, [CosineAnnealingLR(optimizer, T_max=epochs) for optimizer in optimizers]
+
+
+def digit_shares(classifier: DigitsFeatures, images: torch.Tensor) -> torch.Tensor:
+    """The share of each digit among ``images`` as ``classifier`` labels them (10 floats summing to 1)."""
+    predicted = classifier.classify(images.float()).argmax(dim=1)
+    return torch.bincount(predicted.cpu(), minlength=CLASSES).float() / len(images)
 
 
 def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:
