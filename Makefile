@@ -12,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all test-compat test-gpu pytest lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-gpu clean
+.PHONY: install demo test test-all test-readme test-compat test-gpu pytest lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,13 +27,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/lightning-multids fit --config configs/gan.yaml
 
-# The README's test command: lint, types, and the suite on the pinned torch and on the oldest supported one.
-test-all: test test-compat
+# The README's test command: lint, types, the suite on the pinned torch and on the oldest supported one, and
+# the README's own commands run as printed on a fresh clone of HEAD (tests/readme).
+test-all: test test-compat test-readme
 
 test: lint typecheck pytest
 
 pytest: $(STAMP)
 	$(PY) -m pytest tests
+
+test-readme: $(STAMP)
+	README_DOCTEST=1 $(PY) -m pytest tests/readme -rs
 
 test-compat:
 	$(MAKE) pytest VENV=.venv-torch$(COMPAT_TORCH) TORCH_SPEC=torch==$(COMPAT_TORCH)

@@ -1,0 +1,84 @@
+"""The README's shell commands, run as printed, in order, in one shell, on a fresh clone of this checkout.
+
+A new user follows README.md top to bottom: ``make demo``, activating ``.venv``, TensorBoard, export, the
+CLI, the other examples. This test does the same: it clones the repository (``HEAD``, so what is committed),
+takes every ```` ```bash ```` block of the clone's README in order, and runs them as one bash script
+(``set -e``) in the clone. Two things differ from typing them: ``tensorboard``, a server that runs until
+stopped, passes if it is still serving after 20 s; and the output is checked for what a run must not print
+(:data:`tests.distributed.test_examples.AVOIDABLE`) and for the demo's digits (none below 5% of samples).
+
+It needs its own ``make demo`` install (a few minutes), so it runs only from ``make test-readme``
+(``README_DOCTEST=1``), part of ``make test-all``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_examples import AVOIDABLE
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT = 45 * 60
+INSTALL_WARNINGS = ["`project.license` as a TOML table is deprecated"]
+"""What installing the package must not print (setuptools, from ``pyproject.toml``)."""
+PRELUDE = """set -eo pipefail
+# TensorBoard serves until stopped: it passes when it is still serving after 20 s.
+tensorboard() { local rc=0; timeout 20 command tensorboard "$@" || rc=$?; [ "$rc" -eq 124 ]; }
+"""
+
+pytestmark = pytest.mark.skipif(os.environ.get("README_DOCTEST") != "1", reason="run by `make test-readme`")
+
+
+def bash_blocks(readme: str) -> list[str]:
+    """The ```` ```bash ```` blocks of ``readme``, in order, each dedented by its fence's indentation."""
+    blocks = re.findall(r"^( *)```bash\n(.*?)^\1```", readme, flags=re.M | re.S)
+    return ["\n".join(line[len(indent) :] for line in body.splitlines()) for indent, body in blocks]
+
+
+def test_bash_blocks_are_found_in_order() -> None:
+    readme = "text\n```bash\nmake demo\n```\nmore\n  ```bash\n  lightning-multids export a b\n  ```\n"
+    assert bash_blocks(readme) == ["make demo", "lightning-multids export a b"]
+
+
+def digit_shares(output: str) -> dict[int, float]:
+    """The first ``Digits drawn:`` line of the output (the demo's) as digit -> share in percent."""
+    line = re.search(r"^Digits drawn: +(.*)$", output, flags=re.M)
+    assert line is not None, "the demo printed no class histogram"
+    return {int(digit): float(share) for digit, share in re.findall(r"(\d): (\d+\.\d)%", line.group(1))}
+
+
+def test_readme_commands_run_as_printed(tmp_path: Path) -> None:
+    clone = tmp_path / "lightning-multids"
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
+    script = PRELUDE + "\n".join(bash_blocks((clone / "README.md").read_text())) + "\n"
+    (tmp_path / "readme.sh").write_text(script)
+    inherited = ("VIRTUAL_ENV", "TORCH_EXTENSIONS", "PYTHONPATH", "MAKE", "MFLAGS")  # a new user's shell has none
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
+    proc = subprocess.Popen(
+        ["bash", str(tmp_path / "readme.sh")],
+        cwd=clone,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"the README's commands did not finish in {TIMEOUT} s:\n{output[-6000:]}") from None
+    (tmp_path / "readme.log").write_text(output)
+    assert proc.returncode == 0, f"a README command failed ({proc.returncode}):\n{output[-8000:]}"
+    for avoidable in AVOIDABLE + INSTALL_WARNINGS:
+        assert avoidable not in output, f"the README's commands printed {avoidable!r}"
+    shares = digit_shares(output)
+    assert sorted(shares) == list(range(10)), shares
+    assert min(shares.values()) >= 5.0, f"the demo's GAN draws some digit in under 5% of samples: {shares}"
