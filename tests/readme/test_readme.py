@@ -29,7 +29,7 @@ INSTALL_WARNINGS = ["`project.license` as a TOML table is deprecated"]
 """What installing the package must not print (setuptools, from ``pyproject.toml``)."""
 PRELUDE = """set -eo pipefail
 # TensorBoard serves until stopped: it passes when it is still serving after 20 s.
-tensorboard() { local rc=0; timeout 20 command tensorboard "$@" || rc=$?; [ "$rc" -eq 124 ]; }
+tensorboard() { local rc=0; timeout 20 "$(type -P tensorboard)" "$@" || rc=$?; [ "$rc" -eq 124 ]; }
 """
 
 pytestmark = pytest.mark.skipif(os.environ.get("README_DOCTEST") != "1", reason="run by `make test-readme`")
