@@ -18,6 +18,8 @@ Frozen engines are not saved unless asked (their weights never change during fit
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -160,7 +162,8 @@ def consolidated_state_dicts(path: str | Path) -> dict[str, dict[str, torch.Tens
         if info["stage"] == 0:
             state = stage0_weights(engine_dir, TAG)
         else:
-            state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=TAG)
+            with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints 4 lines per engine as it merges
+                state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=TAG)
         result[name] = {key: value.float() if value.is_floating_point() else value for key, value in state.items()}
     result["plain"] = dict(lightning["state_dict"])
     return result

@@ -77,14 +77,13 @@ class MultiDeepSpeedCLI(LightningCLI):
         if arguments.get("ckpt_path") != "last" or not _checkpoints_per_version(self.trainer):
             return  # Lightning's own "last": the fixed `dirpath` of a ModelCheckpoint
         logger = self.trainer.loggers[0]
-        found = newest_last_checkpoint(Path(str(logger.save_dir)) / str(logger.name))
-        if found is None:
-            rank_zero_info(
-                f"--ckpt_path last: no last checkpoint under {Path(str(logger.save_dir)) / str(logger.name)}/*/"
-                "checkpoints, so this run starts from scratch."
-            )
-        else:
-            rank_zero_info(f"--ckpt_path last: resuming from {found}")
+        root = Path(str(logger.save_dir)) / str(logger.name)
+        found = newest_last_checkpoint(root)
+        start = "so this run starts from scratch" if found is None else f"resuming from {found}"
+        rank_zero_info(
+            f"--ckpt_path last: {'no' if found is None else 'the newest'} last checkpoint under "
+            f"{root}/*/checkpoints, {start}"
+        )
         arguments["ckpt_path"] = None if found is None else str(found)
 
 

@@ -44,6 +44,7 @@ class RunSummary(pl.Callback):
         if isinstance(callback, ModelCheckpoint):
             checkpoint = callback.last_model_path or callback.best_model_path
         if checkpoint:
+            checkpoint = shown(checkpoint)
             entries["Checkpoint"] = checkpoint
             exported = Path(checkpoint).parent / "exported"
             entries["Export weights"] = f"{command('lightning-multids')} export {checkpoint} {exported}"
@@ -51,6 +52,14 @@ class RunSummary(pl.Callback):
             entries["See the curves"] = f"{command('tensorboard')} --logdir {trainer.logger.save_dir}"
         width = max(len(label) for label in entries) + 2
         return [f"{label + ':':<{width}}{text}" for label, text in entries.items()]
+
+
+def shown(path: str) -> str:
+    """``path`` relative to the current directory when it lies inside it (Lightning resolves some paths)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
 
 
 def command(name: str) -> str:

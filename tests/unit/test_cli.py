@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_multids.cli import main, newest_last_checkpoint
+from lightning_multids.utilities.summary import command, shown
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,3 +75,27 @@ def test_a_torch_extensions_dir_set_by_the_user_wins(tmp_path: Path) -> None:
     code = "import os, lightning_multids; print(os.environ['TORCH_EXTENSIONS_DIR'])"
     result = run_python(code, TORCH_EXTENSIONS_DIR=str(tmp_path))
     assert result.stdout.splitlines()[-1] == str(tmp_path)
+
+
+def test_run_summary_names_a_command_by_its_path_when_not_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "tensorboard").touch()
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert command("tensorboard") == ".venv/bin/tensorboard"
+    monkeypatch.setenv("PATH", str(bin_dir))
+    (bin_dir / "tensorboard").chmod(0o755)
+    assert command("tensorboard") == "tensorboard"
+    assert command("not-installed") == "not-installed"
+
+
+def test_run_summary_shows_paths_inside_the_current_directory_relative(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert shown(str(tmp_path / "outputs" / "a.ckpt")) == "outputs/a.ckpt"
+    assert shown("/elsewhere/a.ckpt") == "/elsewhere/a.ckpt"
