@@ -33,6 +33,7 @@ AVOIDABLE = [
     "not recommended to provide both args and command line arguments",  # LightningCLI, when given sys.argv
     "will save all extracted features in buffer",  # torchmetrics' KID, in the GAN example
     "exists and is not empty",  # Lightning, for a checkpoint folder shared by several configs
+    "Processing zero checkpoint",  # DeepSpeed, merging ZeRO partitions when weights are loaded or exported
 ]
 """What the command printed once and must not print again: each is prevented by the project."""
 
