@@ -95,11 +95,11 @@ class DigitsGAN(pl.LightningModule):
         self.save_hyperparameters()
         self.generator = Generator(latent_dim)
         self.discriminator = Discriminator()
-        # Plain submodules (no optimizer, no engine): KID in a digit classifier's feature space, and the classifier.
+        # Plain submodules (no optimizer, no engine): a digit classifier, and KID in its feature space.
+        self.classifier = load_features()
         with warnings.catch_warnings():  # torchmetrics warns that KID keeps its features: 2 x 900 x 32 floats here
             warnings.filterwarnings("ignore", message=".*will save all extracted features in buffer")
-            self.kid = KernelInceptionDistance(feature=load_features(), subsets=20, subset_size=100)
-        self.classifier = load_features()
+            self.kid = KernelInceptionDistance(feature=self.classifier, subsets=20, subset_size=100)
         self.run_summary: dict[str, str] = {}  # extra lines for lightning_multids.utilities.RunSummary
 
     def on_train_start(self) -> None:
