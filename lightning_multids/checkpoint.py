@@ -7,13 +7,16 @@ Layout of a checkpoint ``PATH`` (a directory, whatever its name, e.g. ``epoch=3-
                              and a description of the engines under the key "multids"
     PATH/engines/NAME/       engine NAME as DeepSpeed saves it (weights, optimizer and loss-scaler
                              state, ZeRO partitions per rank), tag "state"
+    PATH/engines/NAME/weights.pt
+                             a frozen or EMA engine's whole ``state_dict`` instead (it has no optimizer
+                             state; DeepSpeed cannot save a ZeRO-3 engine without an optimizer)
 
 Every rank writes its partitions into ``PATH.partial``; when all have finished, rank 0 moves the
 finished directory to ``PATH``. A process killed while saving leaves only ``PATH.partial``, which is
 never loaded. Replacing an existing ``PATH`` (``last.ckpt``) moves the old one to ``PATH.old`` first;
 if a save dies between the two renames, loading ``PATH`` finds ``PATH.old``.
 
-Frozen engines are not saved unless asked (their weights never change during fit).
+Frozen engines are not saved unless asked (their weights never change during fit); EMA engines always are.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ FORMAT_KEY = "multids"
 LIGHTNING_FILE = "lightning.pt"
 ENGINE_DIR = "engines"
 TAG = "state"
+WEIGHTS_FILE = "weights.pt"
 
 
 def save(
@@ -46,7 +50,9 @@ def save(
     path: str | Path,
     *,
     engines: Mapping[str, DeepSpeedEngine],
+    weights: Mapping[str, nn.Module],
     frozen: set[str],
+    averages: Mapping[str, int],
     plain_state: dict[str, Any],
     is_global_zero: bool,
     barrier: Callable[[str], None],
@@ -57,8 +63,10 @@ def save(
         checkpoint: what Lightning dumped; its ``state_dict`` is replaced by ``plain_state``, and its
             ``optimizer_states`` are empty (each engine's part holds its optimizer state).
         path: the checkpoint directory, the same on every rank.
-        engines: the engines to save, by name.
+        engines: the engines to save with DeepSpeed (weights and optimizer state), by name.
+        weights: the submodules of the engines to save as weights only (frozen and EMA engines), by name.
         frozen: the names of all frozen engines (saved or not), for the description.
+        averages: the update count of each EMA engine (:meth:`~lightning_multids.ema.Averager.state`).
         plain_state: the state dict entries of submodules that are not engines.
         is_global_zero: whether this is rank 0, which writes Lightning's part and moves directories.
         barrier: a barrier across all ranks.
@@ -71,12 +79,18 @@ def save(
     barrier("multids.save.start")
     for name, engine in engines.items():
         engine.save_checkpoint(str(partial / ENGINE_DIR / name), tag=TAG, client_state={})
+    for name, module in weights.items():
+        save_weights(module, partial / ENGINE_DIR / name, is_global_zero=is_global_zero)
     if is_global_zero:
         kept = {k: v for k, v in checkpoint.items() if k != "state_dict"}  # optimizer_states are empty here
         kept["state_dict"] = plain_state
         kept[FORMAT_KEY] = {
-            "engines": {name: {"stage": e.zero_optimization_stage()} for name, e in engines.items()},
+            "engines": {
+                **{name: {"stage": e.zero_optimization_stage()} for name, e in engines.items()},
+                **{name: {"stage": None} for name in weights},
+            },
             "frozen": sorted(frozen),
+            "averages": dict(averages),
         }
         torch.save(kept, partial / LIGHTNING_FILE)
     barrier("multids.save.written")
@@ -136,9 +150,32 @@ def check_engines(saved: Mapping[str, Any], engines: Mapping[str, DeepSpeedEngin
         )
 
 
+def save_weights(module: nn.Module, directory: Path, *, is_global_zero: bool) -> None:
+    """Write ``module``'s whole ``state_dict`` to ``directory/weights.pt`` on rank 0; a collective call.
+
+    ZeRO-3 parameters are gathered one at a time, so no rank holds more than one of them whole.
+    """
+    state = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        partitioned = is_zero_param(value)
+        with deepspeed.zero.GatheredParameters([value] if partitioned else [], enabled=partitioned):
+            if is_global_zero:
+                state[key] = value.detach().cpu().clone()
+    if is_global_zero:
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(state, directory / WEIGHTS_FILE)
+
+
 def load_engines(path: Path, engines: Mapping[str, DeepSpeedEngine], *, strict: bool) -> None:
-    """Load each engine's weights, optimizer and loss-scaler state from ``path``; a collective call."""
+    """Load each engine's weights, optimizer and loss-scaler state from ``path``; a collective call.
+
+    An engine saved as weights only (:func:`save_weights`) gets its weights.
+    """
     for name, engine in engines.items():
+        weights = path / ENGINE_DIR / name / WEIGHTS_FILE
+        if weights.is_file():
+            load_weights(engine.module, torch.load(weights, map_location="cpu"), strict=strict)
+            continue
         engine.load_checkpoint(
             str(path / ENGINE_DIR / name),
             tag=TAG,
@@ -159,7 +196,9 @@ def consolidated_state_dicts(path: str | Path) -> dict[str, dict[str, torch.Tens
     result: dict[str, dict[str, torch.Tensor]] = {}
     for name, info in lightning[FORMAT_KEY]["engines"].items():
         engine_dir = path / ENGINE_DIR / name
-        if info["stage"] == 0:
+        if info["stage"] is None:
+            state = torch.load(engine_dir / WEIGHTS_FILE, map_location="cpu")
+        elif info["stage"] == 0:
             state = stage0_weights(engine_dir, TAG)
         else:
             with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints 4 lines per engine as it merges

@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_multids import internals
 from lightning_multids.config import merge
 from lightning_multids.discovery import UNWALKED, reached_engines
+from lightning_multids.ema import Averager
 from lightning_multids.gradients import full_gradients
 from lightning_multids.optimizer import EngineOptimizer
 from lightning_multids.precision import loss_scaling
@@ -43,6 +44,8 @@ class EngineSet:
     """The hooks registered for each engine at setup, removed at teardown."""
     router: Router = field(default_factory=Router)
     """Routes each backward through the trainable engines it reaches."""
+    averager: Averager | None = None
+    """Updates the EMA engines after their sources' steps (``MultiDeepSpeedStrategy(ema=...)``)."""
 
     def add(self, name: str, engine: DeepSpeedEngine, handles: list[RemovableHandle]) -> None:
         """Record an engine and the hooks registered for it; a frozen (inference) engine needs nothing more."""
@@ -67,6 +70,7 @@ class EngineSet:
         self.engines.clear()
         self.handles.clear()
         self.owners.clear()
+        self.averager = None
 
     def clip_by_default(
         self, clip: float | None, default: Mapping[str, Any], overrides: Mapping[str, Mapping[str, Any]]
@@ -101,6 +105,12 @@ class EngineSet:
                 f"during fit: {sorted(o.name for o in self.optimizers)}."
             )
         return full_gradients(trainable[name], name)
+
+    def saved_names(self, save_frozen: bool) -> list[str]:
+        """The engines a checkpoint holds: the trainable ones, the EMA engines, and the frozen ones if asked."""
+        averages = set(self.averager.averages) if self.averager is not None else set()
+        frozen = self.frozen_names() - averages
+        return [name for name in self.engines if save_frozen or name not in frozen]
 
     def frozen_names(self) -> set[str]:
         """The names of the frozen (optimizer-less) engines."""

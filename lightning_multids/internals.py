@@ -35,6 +35,7 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import safe_get_full_grad
@@ -458,6 +459,40 @@ def ensure_nonfinite_check(engine: DeepSpeedEngine) -> bool:
             optimizer.check_grad_overflow = True
         return True
     return False
+
+
+# ---- ZeRO-3 partitions, for EMA engines -------------------------------------------------------------------------
+
+
+def partition(param: torch.nn.Parameter) -> tuple[torch.Tensor, int]:
+    """The partition of a ZeRO-3 parameter that this rank holds, without padding, and its offset in the whole.
+
+    ``partition_parameters.Init._partition_param``: rank r of ``ds_process_group`` holds elements
+    ``[r * P, r * P + P)`` of the flattened parameter in ``ds_tensor`` (``P = ds_tensor.ds_numel``); the last
+    rank's is padded past ``ds_numel``. The returned 1-D view writes into the partition itself.
+    """
+    local = param.ds_tensor  # type: ignore[attr-defined]
+    size = int(local.ds_numel)
+    start = size * torch.distributed.get_rank(group=param.ds_process_group)  # type: ignore[attr-defined]
+    valid = max(0, min(size, int(param.ds_numel) - start))  # type: ignore[attr-defined]
+    return local.view(-1).narrow(0, 0, valid), start
+
+
+def same_partitioning(a: torch.nn.Parameter, b: torch.nn.Parameter) -> bool:
+    """Whether two ZeRO-3 parameters of one shape are split alike: the same process group and partition size."""
+    return bool(
+        a.ds_process_group is b.ds_process_group  # type: ignore[attr-defined]
+        and a.ds_tensor.ds_numel == b.ds_tensor.ds_numel  # type: ignore[attr-defined]
+    )
+
+
+def is_gathered(param: torch.nn.Parameter) -> bool:
+    """Whether a ZeRO-3 parameter is whole on this rank now (``ds_status`` AVAILABLE: a persistent parameter).
+
+    A parameter at or under ``stage3_param_persistence_threshold`` stays gathered between forwards, beside its
+    partition; a change to it must reach both.
+    """
+    return bool(param.ds_status == ZeroParamStatus.AVAILABLE)  # type: ignore[attr-defined]
 
 
 # ---- teardown, checkpoints, diagnostics ---------------------------------------------------------------------

@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_multids import internals
 from lightning_multids.config import engine_config, frozen_config, merge, sized_buckets
 from lightning_multids.data import per_process_batch_size, train_loaders
+from lightning_multids.ema import Average, build_averager, check_averages
 from lightning_multids.engines import EngineSet
 from lightning_multids.planning import Plan, check_batch_settings, config_scheduler, plan_engines
 from lightning_multids.precision import cast_inputs, engine_dtype
@@ -52,6 +53,7 @@ def build_engines(
     precision: str,
     device_type: str = "cpu",
     agree: Callable[[BaseException | None], None] = lambda error: None,
+    averages: Mapping[str, Average] | None = None,
 ) -> EngineSet:
     """Build the engines of ``module``: trainable ones first, in ``self.optimizers()`` order, then frozen ones.
 
@@ -59,7 +61,9 @@ def build_engines(
     * a submodule named in ``engine_configs`` whose DeepSpeed config has an ``optimizer`` section is trained by that
       optimizer (and the config's ``scheduler``); these come after the ``configure_optimizers`` ones;
     * any other submodule named in ``engine_configs`` becomes a frozen (inference) engine;
-    * submodules with neither an optimizer nor an entry stay plain modules on the device.
+    * submodules with neither an optimizer nor an entry stay plain modules on the device;
+    * each of ``averages`` (which have an entry, so a frozen engine) starts as a copy of its source and follows
+      its steps (:mod:`lightning_multids.ema`).
 
     User hooks and checks run locally first; ``agree(error_or_None)`` is then called on every rank, and must
     raise on every rank if any rank passed an error. DeepSpeed's first collective (a store barrier in
@@ -86,11 +90,17 @@ def build_engines(
     _unpartition_children(module, keep=lambda name: _stage(configs[name]) == 3)
     with _agreed(agree):
         plan = plan_engines(trainer, module, configs, overrides)
+        check_averages(averages or {}, module, [*plan.matched, *plan.from_config], configs)
     result = EngineSet()
     _build_trainable(result, module, plan, configs)
     for name, config in plan.frozen.items():
         _add_frozen(result, name, build_frozen_engine(getattr(module, name), config))
     _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
+    result.averager = build_averager(averages or {}, module)
+    if result.averager is not None:
+        for optimizer in result.optimizers:
+            optimizer.after_step = result.averager.after_step
+        result.averager.start()
     return result
 
 

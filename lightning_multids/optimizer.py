@@ -101,6 +101,8 @@ class EngineOptimizer(Optimizer):
         self._state = _StepState()
         self.manual = True
         """Whether the module runs manual optimization (set by the strategy)."""
+        self.after_step: Callable[[str], None] | None = None
+        """Called with the engine's name after each applied step (the EMA engines that follow it)."""
         self._handle = skip_nonfinite_steps(engine)
 
     @property
@@ -163,6 +165,8 @@ class EngineOptimizer(Optimizer):
                 self.zero_grad()
         if not applied:
             self._report_skipped_step(step)
+        elif self.after_step is not None:
+            self.after_step(self.name)
         return loss
 
     def _refuse_empty_step(self) -> None:

@@ -31,6 +31,7 @@ from lightning_multids._deprecation import engine_configs_argument
 from lightning_multids.config import load_config, validate_stage, zero3_init_config
 from lightning_multids.data import forget_requested
 from lightning_multids.discovery import check_engine_names
+from lightning_multids.ema import EmaArgument, average_entries, parse_averages
 from lightning_multids.engines import EngineSet
 from lightning_multids.lifecycle import (
     agree_on_failure,
@@ -72,6 +73,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         start_method: how Lightning starts the other processes (``"popen"`` re-runs the script per rank).
         save_frozen: also save frozen engines in every checkpoint (their weights do not change during fit, so
             by default they are not duplicated into each one).
+        ema: EMA engines, ``{average: (source, decay)}``, e.g. ``{"generator_ema": ("generator", 0.999)}``: the
+            submodule ``self.generator_ema`` (a copy of ``self.generator``) becomes a frozen fp32 engine at its own
+            stage (its ``engine_configs`` entry), starts as a copy of its source and follows each of its steps as
+            ``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn(decay)`` would. Saved with every
+            checkpoint and resumed (see :mod:`lightning_multids.ema`).
         engines: deprecated name of ``engine_configs``.
     """
 
@@ -91,6 +97,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
         save_frozen: bool = False,
+        ema: EmaArgument | None = None,
         engines: dict[str, dict[str, Any] | str] | None = None,
     ) -> None:
         _refuse_checkpoint_io(checkpoint_io)
@@ -110,6 +117,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             for name, source in engine_configs_argument(engine_configs, engines).items()
         }
         self.save_frozen = save_frozen
+        self.averages = parse_averages(ema)
+        self._entries = average_entries(self.averages, self.engine_configs)
         self._engine_set = EngineSet()
         self._restore_summary: Callable[[], None] = _nothing
 
@@ -185,7 +194,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             self.model = self._layer_sync.apply(self.model)
         module = self.lightning_module
         assert module is not None
-        check_engine_names(module, self.engine_configs)
+        check_engine_names(module, self._entries)
         if fitting:
             self._setup_fit(trainer, module)
             self.model_to_device()  # the plain submodules: the engines' ones are on the device already
@@ -195,7 +204,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             self._engine_set = build_evaluation_engines(
                 module,
                 default=self.config,
-                overrides=self.engine_configs,
+                overrides=self._entries,
                 precision=str(self.precision_plugin.precision),
                 device_type=self.root_device.type,
             )
@@ -208,12 +217,13 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             module,
             stage=self.stage,
             default=self.config,
-            overrides=self.engine_configs,
+            overrides=self._entries,
             precision=str(self.precision_plugin.precision),
             device_type=self.root_device.type,
             agree=functools.partial(
                 agree_on_failure, world_size=self.world_size, rank=self.global_rank, device=self.root_device
             ),
+            averages=self.averages,
         )
         if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
             self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_configs)
@@ -234,7 +244,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ``offload_param``), which they must share (see :func:`~lightning_multids.config.zero3_init_config`).
         """
         config = zero3_init_config(
-            self.stage, self.config, self.engine_configs, precision=str(self.precision_plugin.precision)
+            self.stage, self.config, self._entries, precision=str(self.precision_plugin.precision)
         )
         if config is None:
             yield
@@ -364,13 +374,16 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 "engines are released when `fit` ends. Save with a `ModelCheckpoint` callback (`save_last=True` "
                 "keeps the final state), or call `trainer.save_checkpoint(path)` in `on_train_end` at the latest."
             )
-        engines = self._engine_set.engines
-        frozen = self._engine_set.frozen_names()
+        engines, frozen = self._engine_set.engines, self._engine_set.frozen_names()
+        saved = self._engine_set.saved_names(self.save_frozen)
+        averager = self._engine_set.averager
         checkpoints.save(
             checkpoint,
             self.broadcast(str(filepath)),
-            engines={n: e for n, e in engines.items() if self.save_frozen or n not in frozen},
+            engines={n: engines[n] for n in saved if n not in frozen},
+            weights={n: engines[n].module for n in saved if n in frozen},
             frozen=frozen,
+            averages=averager.state() if averager is not None else {},
             plain_state=checkpoints.plain_state_dict(self.lightning_module, set(engines)),
             is_global_zero=self.is_global_zero,
             barrier=self.barrier,
@@ -390,6 +403,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             checkpoints.check_engines({"engines": check_names}, trainable, path)
             engines = {n: e for n, e in self._engine_set.engines.items() if n in saved["engines"]}
             checkpoints.load_engines(path, engines, strict=module.strict_loading)
+            if self._engine_set.averager is not None:  # an average the checkpoint lacks restarts from its source
+                self._engine_set.averager.load_state(saved.get("averages", {}))
         else:
             for name, state in checkpoints.consolidated_state_dicts(path).items():
                 if name != "plain":

@@ -145,6 +145,8 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "engine_called_directly": (lambda: GAN(calls_engine), {}),
     "step_without_backward": (lambda: GAN(steps_without_backward), {}),
     "zero_grad_before_step": (lambda: GAN(clears_before_step), {}),
+    "ema_of_another_shape": (lambda: GAN(returns_loss, "generator"), {"ema": {"discriminator": ("generator", 0.9)}}),
+    "ema_that_is_trained": (lambda: GAN(returns_loss, "generator"), {"ema": {"generator": ("discriminator", 0.9)}}),
 }
 
 

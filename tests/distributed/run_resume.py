@@ -1,7 +1,7 @@
 """Per-rank script: train 2 epochs straight, or 1 epoch + save + resume for 1 more; save weights and optimizer state.
 
 Usage: run_resume.py OUT CASE STAGE [STAGE ...] with CASE ``gan`` (two engines, Adam) or ``distill`` (frozen ZeRO-3
-teacher, Adam student). Writes OUT.RANK: {stage: {"straight": ..., "resumed": ...}}.
+teacher, saved with ``save_frozen=True``, Adam student). Writes OUT.RANK: {stage: {"straight": ..., "resumed": ...}}.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def optimizer_state(engine: object) -> list[torch.Tensor]:
 def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = None) -> dict:
     module = Resumable(case)
     engines = {"teacher": {"zero_optimization": {"stage": 3}}} if case == "distill" else {}
-    strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=engines)
+    strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=engines, save_frozen=case == "distill")
     optimizers_at_end = AtFitEnd(lambda s: [t for opt in s.optimizers for t in optimizer_state(opt.engine)])
     trainer = cpu_trainer(
         strategy,
@@ -84,6 +84,7 @@ def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = 
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "files": sorted(p.name for p in root.iterdir()),
+        "parts": sorted(p.name for p in (root / "last.ckpt" / "engines").iterdir()),
     }
 
 
