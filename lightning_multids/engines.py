@@ -44,6 +44,8 @@ class EngineSet:
     """The hooks registered for each engine at setup, removed at teardown."""
     router: Router = field(default_factory=Router)
     """Routes each backward through the trainable engines it reaches."""
+    gathering: set[str] = field(default_factory=set)
+    """The engines inside a ``strategy.gathered(name)`` block."""
     averager: Averager | None = None
     """Updates the EMA engines after their sources' steps (``MultiDeepSpeedStrategy(ema=...)``)."""
 

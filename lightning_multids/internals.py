@@ -24,7 +24,7 @@ behind depends on the optimizer DeepSpeed chose:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -68,6 +69,7 @@ _CLASS_METHODS: dict[type, tuple[str, ...]] = {
         "average_tensor",
     ),
     DeepSpeedZeroOptimizer_Stage3: ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",),
+    DeepSpeedZeRoOffload: ("_register_deepspeed_module",),
 }
 _ENGINE_ATTRIBUTES = (
     "_running_engine_backward_lock",
@@ -493,6 +495,29 @@ def is_gathered(param: torch.nn.Parameter) -> bool:
     partition; a change to it must reach both.
     """
     return bool(param.ds_status == ZeroParamStatus.AVAILABLE)  # type: ignore[attr-defined]
+
+
+def suspend_zero3_hooks(engine: DeepSpeedEngine) -> Callable[[], None]:
+    """Take ZeRO-3's per-submodule gather/release hooks off the engine's module; return what puts them back.
+
+    ``DeepSpeedZeRoOffload`` (``engine.optimizer.parameter_offload`` of a trained engine, ``engine.optimizer`` of
+    a frozen one) keeps them in ``forward_hooks`` and ``backward_hooks``; ``_register_deepspeed_module`` registers
+    them again and invalidates the recorded prefetch trace. Each parameter's ``ds_active_sub_modules`` is
+    cleared, so no hook run before counts the whole parameter as in use (as TRL does around ``generate``).
+    """
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    if not isinstance(offload, DeepSpeedZeRoOffload):
+        _refuse_missing("DeepSpeedZeRoOffload (the ZeRO-3 parameter hooks)")
+    for param in engine.module.parameters():
+        param.ds_active_sub_modules.clear()  # type: ignore[attr-defined]
+    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+
+    def restore() -> None:
+        offload._register_deepspeed_module(offload.module)
+
+    return restore
 
 
 # ---- teardown, checkpoints, diagnostics ---------------------------------------------------------------------

@@ -33,6 +33,7 @@ from lightning_multids.data import forget_requested
 from lightning_multids.discovery import check_engine_names
 from lightning_multids.ema import EmaArgument, average_entries, parse_averages
 from lightning_multids.engines import EngineSet
+from lightning_multids.gathering import gathered
 from lightning_multids.lifecycle import (
     agree_on_failure,
     build_engines,
@@ -285,6 +286,23 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """
         with gradients.no_sync(self._engine_set.for_no_sync(names)):
             yield
+
+    @contextmanager
+    def gathered(self, name: str) -> Iterator[torch.nn.Module]:
+        """Make the ZeRO-3 engine ``name``'s submodule whole for the block, for generation or evaluation; yield it.
+
+        ZeRO-3 gathers a submodule layer by layer at each forward, so an autoregressive loop gathers the whole
+        model once per token. Inside the block it is gathered once and runs as a plain module, under
+        ``torch.no_grad()``; it is partitioned again when the block ends. Call it on every rank (a collective)::
+
+            with self.trainer.strategy.gathered("actor") as actor:
+                sequences = actor.generate(prompts, length)
+
+        The whole submodule, in its engine's dtype, is on every rank during the block. At ZeRO-0/1/2 it is whole
+        anyway and only ``no_grad`` applies.
+        """
+        with gathered(name, self._engine_set.engines, self._engine_set.gathering) as module:
+            yield module
 
     def full_gradients(self, name: str) -> dict[str, Tensor]:
         """The gradients of engine ``name``, whole and averaged over the ranks, as plain PyTorch would hold them.

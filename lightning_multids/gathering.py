@@ -1,0 +1,58 @@
+"""A ZeRO-3 engine's submodule whole for a block: generation and evaluation without per-layer gathering.
+
+Under ZeRO-3 each forward of a submodule gathers its parameters and releases them after it, layer by layer. An
+autoregressive ``generate`` runs the model once per token, so it gathers the whole model once per token, each
+layer in its own collective. :func:`gathered` gathers it once for a block instead, takes ZeRO-3's per-layer
+hooks off so the block runs it as a plain module, and partitions it again at the end (as TRL's
+``unwrap_model_for_generation`` does). The cost: the whole submodule, in its engine's dtype, on every rank
+during the block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, MutableSet
+from contextlib import contextmanager
+
+import deepspeed
+import torch
+from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.zero.utils import is_zero_param
+from torch import nn
+
+from lightning_multids import internals
+
+
+@contextmanager
+def gathered(name: str, engines: Mapping[str, DeepSpeedEngine], active: MutableSet[str]) -> Iterator[nn.Module]:
+    """Make engine ``name``'s submodule whole on this rank for the block, under ``torch.no_grad()``; yield it.
+
+    A collective call: every rank enters the block (the gathering and the partitioning are all-gathers). At
+    ZeRO-0/1/2 the submodule is whole already and only ``no_grad`` applies. ``active`` holds the names of
+    the engines inside such a block (nesting one is refused).
+
+    Raises:
+        ValueError: there is no engine ``name``, or it is already inside a block.
+    """
+    if name not in engines:
+        raise ValueError(
+            f"`gathered({name!r})`: there is no engine {name!r} now (engines: {sorted(engines)}). Engines exist "
+            "from setup to teardown of fit, validate, test and predict; name a submodule that has one."
+        )
+    if name in active:
+        raise ValueError(f"`gathered({name!r})`: the engine is already gathered; don't nest the blocks.")
+    engine = engines[name]
+    params = [param for param in engine.module.parameters() if is_zero_param(param)]
+    active.add(name)
+    try:
+        with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+            restore = internals.suspend_zero3_hooks(engine) if params else _nothing
+            try:
+                yield engine.module
+            finally:
+                restore()
+    finally:
+        active.discard(name)
+
+
+def _nothing() -> None:
+    pass
