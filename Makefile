@@ -12,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all test-readme test-compat test-gpu pytest lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-gpu clean
+.PHONY: install demo test test-all test-readme test-compat test-gpu pytest lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-generation bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +48,7 @@ GPU_PYTHON ?= $(PY)
 test-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(STAMP))
 	$(GPU_PYTHON) -m pytest -m gpu tests/gpu -rs
 
-bench: bench-overhead bench-host bench-memory bench-frozen bench-gradcache
+bench: bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-generation
 
 bench-overhead: $(STAMP)
 	for stage in 0 1 2 3; do \
@@ -74,6 +74,7 @@ bench-gpu: $(STAMP)
 			--precision $$precision --arch $$arch --case $$case --stage $$stage; done; done; done; done
 	for stage in 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node $(GPUS) benchmarks/frozen.py --device cuda --stage $$stage; done
+	$(VENV)/bin/torchrun --nproc-per-node $(GPUS) benchmarks/generation.py --rounds 6 --tokens 64
 
 bench-memory: $(STAMP)
 	for n in 1 2 4; do for stage in 1 2 3; do \
@@ -88,6 +89,10 @@ bench-memory: $(STAMP)
 bench-frozen: $(STAMP)
 	for n in 1 2; do for stage in 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node $$n benchmarks/frozen.py --stage $$stage; done; done
+
+# Generation by a ZeRO-3 actor: per-layer gathering, strategy.gathered(name), and the model whole (bench-gpu: on GPUs).
+bench-generation: $(STAMP)
+	for n in 1 2; do $(VENV)/bin/torchrun --nproc-per-node $$n benchmarks/generation.py --rounds 6 --tokens 32; done
 
 bench-gradcache: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 2
