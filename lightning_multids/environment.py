@@ -8,6 +8,11 @@
 - DeepSpeed warns on import, on every machine without a GPU, that it set its accelerator to the CPU because
   it found no GPU. The strategy sets DeepSpeed's accelerator from the Trainer's anyway
   (:mod:`lightning_multids.accelerator`), so that one message is dropped while DeepSpeed is imported here.
+- torch 2.13 deprecates ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which DeepSpeed 0.19.8's ZeRO
+  calls at every gather and reduction. Python's "once per place" does not hold during a fit (the registry that
+  remembers a warning is cleared whenever the warning filters change), so a ZeRO-3 engine printed them at
+  every step, over a thousand lines per run, about a call the user did not write and cannot change. Those
+  two messages are not shown.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +29,15 @@ EXTENSIONS_VARIABLE = "TORCH_EXTENSIONS_DIR"
 DEEPSPEED_LOGGER = "DeepSpeed"
 ACCELERATOR_GUESS = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
 """DeepSpeed 0.19.8's warning when it finds no GPU (``deepspeed/accelerator/real_accelerator.py``)."""
+
+
+ZERO_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+"""The torch 2.13 deprecations that DeepSpeed 0.19.8's ZeRO collectives trigger (``torch/distributed``)."""
+
+
+def hide_zero_deprecations() -> None:
+    """Do not show the FutureWarnings of :data:`ZERO_DEPRECATIONS` (DeepSpeed's calls, not the user's)."""
+    warnings.filterwarnings("ignore", message=ZERO_DEPRECATIONS, category=FutureWarning)
 
 
 def default_extensions_dir() -> Path:

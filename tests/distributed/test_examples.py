@@ -34,6 +34,7 @@ AVOIDABLE = [
     "will save all extracted features in buffer",  # torchmetrics' KID, in the GAN example
     "exists and is not empty",  # Lightning, for a checkpoint folder shared by several configs
     "Processing zero checkpoint",  # DeepSpeed, merging ZeRO partitions when weights are loaded or exported
+    "is deprecated. Please use `torch.distributed",  # torch 2.13, at each of DeepSpeed's ZeRO collectives
 ]
 """What the command printed once and must not print again: each is prevented by the project."""
 

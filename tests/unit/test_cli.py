@@ -77,6 +77,19 @@ def test_a_torch_extensions_dir_set_by_the_user_wins(tmp_path: Path) -> None:
     assert result.stdout.splitlines()[-1] == str(tmp_path)
 
 
+def test_import_hides_the_zero_collectives_deprecations_and_no_other_warning() -> None:
+    """torch 2.13's FutureWarnings for DeepSpeed's ZeRO collectives are not shown; other FutureWarnings are."""
+    code = (
+        "import warnings, lightning_multids\n"
+        "for name in ('all_gather_into_tensor', 'reduce_scatter_tensor'):\n"
+        "    warnings.warn(f'`torch.distributed.{name}` is deprecated. Please use another.', FutureWarning)\n"
+        "warnings.warn('`torch.distributed.broadcast` is deprecated.', FutureWarning)\n"
+    )
+    stderr = run_python(code).stderr
+    assert "all_gather_into_tensor" not in stderr and "reduce_scatter_tensor" not in stderr
+    assert "`torch.distributed.broadcast` is deprecated." in stderr
+
+
 def test_run_summary_names_a_command_by_its_path_when_not_on_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
