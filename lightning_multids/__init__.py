@@ -1,9 +1,9 @@
 """lightning_multids: one DeepSpeed engine per submodule of a LightningModule."""
 
 from lightning_multids.environment import (
+    hide_zero_deprecations,
     keep_extensions_in_environment,
     quiet_accelerator_guess,
-    hide_zero_deprecations,
 )
 
 keep_extensions_in_environment()
