@@ -4,15 +4,18 @@ Run it through the CLI on 2 CPU processes (Lightning starts the second one)::
 
     lightning-multids fit --config configs/gan.yaml
 
-The generator trains under ZeRO-1 and the discriminator under ZeRO-2 (``configs/ds/``). Both are told which
-digit to draw or judge (a conditional GAN): an unconditional one of this size collapses onto a few digits.
-Each validation epoch logs the Kernel Inception Distance between generated and held-out digits, measured in
-the feature space of a small digit classifier (:mod:`examples.digits`), the share of the least frequent
-digit among samples as that classifier labels them, and a grid of samples (one column per digit).
+The generator trains under ZeRO-1 and the discriminator under ZeRO-2 (``configs/ds/``); ``generator_ema``, an
+exponential moving average of the generator (the strategy's ``ema=``), is a frozen ZeRO-3 engine, and samples
+are drawn from it. Both networks are told which digit to draw or judge (a conditional GAN): an unconditional one
+of this size collapses onto a few digits. Each validation epoch logs the Kernel Inception Distance between
+generated and held-out digits, measured in the feature space of a small digit classifier
+(:mod:`examples.digits`), the share of the least frequent digit among samples as that classifier labels them,
+and a grid of samples (one column per digit).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
@@ -95,12 +98,19 @@ class DigitsGAN(pl.LightningModule):
         self.save_hyperparameters()
         self.generator = Generator(latent_dim)
         self.discriminator = Discriminator()
+        self.generator_ema = copy.deepcopy(self.generator)  # an average of the generator when the strategy keeps one
         # Plain submodules (no optimizer, no engine): a digit classifier, and KID in its feature space.
         self.classifier = load_features()
         with warnings.catch_warnings():  # torchmetrics warns that KID keeps its features: 2 x 900 x 32 floats here
             warnings.filterwarnings("ignore", message=".*will save all extracted features in buffer")
             self.kid = KernelInceptionDistance(feature=self.classifier, subsets=20, subset_size=100)
         self.run_summary: dict[str, str] = {}  # extra lines for lightning_multids.utilities.RunSummary
+
+    @property
+    def sampler(self) -> Generator:
+        """What samples come from: the generator's average when the strategy keeps one (``ema=``), else itself."""
+        averaged = "generator_ema" in getattr(self.trainer.strategy, "averages", {})
+        return self.generator_ema if averaged else self.generator
 
     def on_train_start(self) -> None:
         torch.manual_seed(1234 + self.global_rank)  # different noise on each rank
@@ -128,7 +138,7 @@ class DigitsGAN(pl.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         real, labels = batch
         self.kid.update(real, real=True)
-        self.kid.update(self.generator.sample(labels, self.device), real=False)
+        self.kid.update(self.sampler.sample(labels, self.device), real=False)
 
     def on_validation_epoch_end(self) -> None:
         kid_mean, _ = self.kid.compute()  # gathers every rank's features
@@ -138,7 +148,7 @@ class DigitsGAN(pl.LightningModule):
         # The same noise every epoch, so the grids show one set of samples improving; a column per digit.
         fixed = torch.Generator().manual_seed(0)
         labels = torch.arange(CLASSES).repeat(self.hparams.grid_rows)
-        grid = image_grid(self.generator.sample(labels, self.device, generator=fixed), columns=CLASSES)
+        grid = image_grid(self.sampler.sample(labels, self.device, generator=fixed), columns=CLASSES)
         if self.trainer.is_global_zero and isinstance(self.logger, TensorBoardLogger):
             self.logger.experiment.add_image("samples", grid, self.global_step, dataformats="HW")
             samples_png = Path(self.logger.log_dir) / "samples.png"
@@ -155,7 +165,7 @@ class DigitsGAN(pl.LightningModule):
         """The share of each digit among ``n`` samples (n/10 asked of each), as the example's classifier labels them."""
         labels = torch.arange(CLASSES).repeat_interleave(n // CLASSES)
         fixed = torch.Generator().manual_seed(1)
-        return digit_shares(self.classifier, self.generator.sample(labels, self.device, generator=fixed))
+        return digit_shares(self.classifier, self.sampler.sample(labels, self.device, generator=fixed))
 
     def on_train_epoch_end(self) -> None:
         for scheduler in self.lr_schedulers():  # manual optimization: the schedulers are stepped here

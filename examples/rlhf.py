@@ -9,11 +9,12 @@ prompt with ``response_length`` sampled tokens. The reward model scores a sequen
 followed by its successor modulo 10 (:class:`CountingReward`), so the best policy counts upward from the
 prompt: ``3 -> 4 5 6 7 8 9 0 1``. A random policy scores about 0.1, counting scores 1.
 
-The actor trains under ZeRO-2 and the critic under ZeRO-1; the reference (a copy of the actor's initial
+The actor trains under ZeRO-3 and the critic under ZeRO-1; the reference (a copy of the actor's initial
 weights) and the reward model are frozen engines partitioned at ZeRO-3 (``configs/ds/``). Each training
 step samples a batch of responses, scores them, and runs ``ppo_epochs`` clipped-surrogate updates of the
-actor and value updates of the critic. Each validation epoch logs the mean reward of sampled and of greedy
-responses to held-out prompts, and writes a few greedy responses to TensorBoard.
+actor and value updates of the critic. The actor generates inside ``strategy.gathered("actor")``: gathered
+once per rollout instead of layer by layer for every token. Each validation epoch logs the mean reward of
+sampled and of greedy responses to held-out prompts, and writes a few greedy responses to TensorBoard.
 """
 
 from __future__ import annotations
@@ -186,8 +187,9 @@ class CountingPPO(pl.LightningModule):
     @torch.no_grad()
     def rollout(self, prompts: torch.Tensor, generator: torch.Generator) -> Rollout:
         """Sample responses to ``prompts`` and score them with all four submodules."""
-        sequences = self.actor.generate(prompts, self.hparams.response_length, generator=generator)
-        log_probs = self.actor.log_probs(sequences)
+        with self.trainer.strategy.gathered("actor") as actor:
+            sequences = actor.generate(prompts, self.hparams.response_length, generator=generator)
+            log_probs = actor.log_probs(sequences)
         kl = log_probs - self.reference.log_probs(sequences)
         values = self.critic(sequences[:, :-1])
         reward = self.reward(sequences)
@@ -213,14 +215,16 @@ class CountingPPO(pl.LightningModule):
         (prompts,) = batch
         length = self.hparams.response_length
         generator = seeded(self.device, 1, batch_idx, self.global_rank)  # the same draws every epoch
-        sampled = self.actor.generate(prompts, length, generator=generator)
-        greedy = self.actor.generate(prompts, length, greedy=True)
+        with self.trainer.strategy.gathered("actor") as actor:
+            sampled = actor.generate(prompts, length, generator=generator)
+            greedy = actor.generate(prompts, length, greedy=True)
         rewards = {"val/reward": self.reward(sampled).mean(), "val/greedy_reward": self.reward(greedy).mean()}
         self.log_dict(rewards, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         prompts = torch.arange(self.hparams.num_samples, device=self.device) % VOCAB
-        greedy = self.actor.generate(prompts, self.hparams.response_length, greedy=True)
+        with self.trainer.strategy.gathered("actor") as actor:
+            greedy = actor.generate(prompts, self.hparams.response_length, greedy=True)
         if self.trainer.is_global_zero and isinstance(self.logger, TensorBoardLogger):
             lines = [f"    {s[0]} -> {' '.join(str(t) for t in s[1:])}" for s in greedy.tolist()]
             self.logger.experiment.add_text("greedy_responses", "\n".join(lines), self.global_step)

@@ -80,7 +80,7 @@ def events(log_dir: Path) -> EventAccumulator:
 def test_gan_config_trains_and_logs_curves_kid_and_a_sample_grid(workdir: Path) -> None:
     output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *SHORT)
     log_dir = workdir / "outputs" / "gan" / "gan" / "version_0"
-    assert "Engines (ZeRO stage): {'generator': 1, 'discriminator': 2}" in output
+    assert "Engines (ZeRO stage): {'generator': 1, 'discriminator': 2, 'generator_ema': 3}" in output
     assert "tensorboard --logdir outputs/gan" in output
     tags = events(log_dir).Tags()
     assert {"train/d_loss", "train/g_loss", "val/kid", "val/rarest_digit"} <= set(tags["scalars"]), tags["scalars"]
@@ -88,6 +88,7 @@ def test_gan_config_trains_and_logs_curves_kid_and_a_sample_grid(workdir: Path) 
     assert "samples" in tags["images"], tags
     assert (log_dir / "samples.png").is_file()
     assert (log_dir / "checkpoints" / "last.ckpt" / "lightning.pt").is_file()
+    assert (log_dir / "checkpoints" / "last.ckpt" / "engines" / "generator_ema" / "weights.pt").is_file()  # the EMA
     assert (log_dir / "config.yaml").is_file()  # LightningCLI saved the resolved config
 
 
@@ -126,7 +127,7 @@ def test_student_alone_config_trains(workdir: Path) -> None:
 
 def test_rlhf_config_trains_four_engines(workdir: Path) -> None:
     output = lightning_multids(workdir, "fit", "--config", "configs/rlhf.yaml", *SHORT)
-    assert "Engines (ZeRO stage): {'actor': 2, 'critic': 1, 'reference': 3, 'reward': 3}" in output
+    assert "Engines (ZeRO stage): {'actor': 3, 'critic': 1, 'reference': 3, 'reward': 3}" in output
     tags = events(workdir / "outputs" / "rlhf" / "rlhf" / "version_0").Tags()["scalars"]
     assert {"train/reward", "train/kl", "train/actor_loss", "train/critic_loss", "val/reward"} <= set(tags), tags
 
