@@ -13,6 +13,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 from deepspeed import DeepSpeedEngine
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from deepspeed.ops.lion import DeepSpeedCPULion
 from lightning.pytorch.core.optimizer import (
     _configure_optimizers,
     _configure_schedulers_automatic_opt,
@@ -54,8 +56,9 @@ def plan_engines(
     automatic = module.automatic_optimization
     optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
     matched = match_optimizers(module, optimizers)
-    for name in matched:
+    for name, index in matched.items():
         _check_one_optimizer(name, configs[name])
+        _check_offloaded_optimizer(name, configs[name], optimizers[index])
     frozen = {
         name: frozen_config(name, configs[name], overrides[name])
         for name in overrides
@@ -125,6 +128,22 @@ def _check_one_optimizer(name: str, config: Mapping[str, Any]) -> None:
                 f"`{key}` section too. An engine has one optimizer: remove the `{key}` section from its config, or "
                 f"stop returning an optimizer over `self.{name}.parameters()`."
             )
+
+
+def _check_offloaded_optimizer(name: str, config: Mapping[str, Any], optimizer: Optimizer) -> None:
+    """Refuse, naming the engine, what DeepSpeed refuses later: a torch optimizer stepping offloaded states."""
+    device = (config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device")
+    if device not in ("cpu", "nvme") or config.get("zero_force_ds_cpu_optimizer") is False:
+        return
+    if isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion)):
+        return
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+    raise ValueError(
+        f"The engine {name!r} offloads its optimizer states (`zero_optimization.offload_optimizer.device: {device}`) "
+        f"and `configure_optimizers` gives it `{kind}`, which DeepSpeed refuses there. Return "
+        f"`deepspeed.ops.adam.DeepSpeedCPUAdam(self.{name}.parameters(), ...)` (DeepSpeed's vectorized CPU Adam), or "
+        'set `"zero_force_ds_cpu_optimizer": false` in the engine\'s config to step this optimizer on the CPU as it is.'
+    )
 
 
 def check_batch_settings(name: str, config: Mapping[str, Any], loader_batch: int | None, world_size: int) -> None:

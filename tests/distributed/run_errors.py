@@ -145,6 +145,10 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "engine_called_directly": (lambda: GAN(calls_engine), {}),
     "step_without_backward": (lambda: GAN(steps_without_backward), {}),
     "zero_grad_before_step": (lambda: GAN(clears_before_step), {}),
+    "offload_with_torch_optimizer": (
+        lambda: GAN(returns_loss, "generator"),
+        {"engines": {"generator": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}}},
+    ),
     "ema_of_another_shape": (lambda: GAN(returns_loss, "generator"), {"ema": {"discriminator": ("generator", 0.9)}}),
     "ema_that_is_trained": (lambda: GAN(returns_loss, "generator"), {"ema": {"generator": ("discriminator", 0.9)}}),
 }

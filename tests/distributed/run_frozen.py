@@ -1,6 +1,7 @@
 """Per-rank script: frozen engines (distillation, a frozen engine in the middle, a DeepSpeed-config optimizer).
 
-Usage: run_frozen.py OUT STEPS PRECISION SPEC [SPEC ...], each SPEC ``case:frozen_stage:trained_stage`` with case
+Usage: run_frozen.py OUT STEPS PRECISION SPEC [SPEC ...], each SPEC ``case:frozen_stage:trained_stage`` (a frozen
+stage ``3o``: ZeRO-3 with ``offload_param`` to the CPU) with case
 ``distill`` (frozen teacher, trained student), ``frozen_middle`` (loss = frozen critic(generator(z))) or
 ``config_optimizer`` (the student's optimizer comes from its DeepSpeed config).
 """
@@ -80,6 +81,12 @@ def partition_share(module: torch.nn.Module) -> float:
     return local / full
 
 
+def frozen_config(stage: str) -> dict:
+    if stage == "3o":
+        return {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    return {"zero_optimization": {"stage": int(stage)}}
+
+
 def main() -> None:
     out, steps, precision, *specs = sys.argv[1:]
     results = {}
@@ -89,13 +96,12 @@ def main() -> None:
         trained = {"zero_optimization": {"stage": int(trained_stage)}}
         if case == "config_optimizer":
             trained.update(SGD_CONFIG)
-        strategy = MultiDeepSpeedStrategy(
-            engine_configs={"frozen": {"zero_optimization": {"stage": int(frozen_stage)}}, "trained": trained}
-        )
+        strategy = MultiDeepSpeedStrategy(engine_configs={"frozen": frozen_config(frozen_stage), "trained": trained})
         engines_at_end = AtFitEnd(
             lambda s: {
                 "engines": sorted(s.engines),
                 "frozen_has_optimizer_state": bool(getattr(s.engines["frozen"], "basic_optimizer", None)),
+                "frozen_offloads_parameters": bool(s.engines["frozen"].zero_offload_param()),
                 "dtype": str(next(s.lightning_module.trained.parameters()).dtype),  # fp32 again after teardown
             }
         )

@@ -98,6 +98,9 @@ FP16_SCALES = {  # two fp16 engines at different loss scales (GPU only: fp16 doe
 
 
 SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 20, "allgather_bucket_size": 20}}
+# offload_optimizer with torch's Adam from configure_optimizers (DeepSpeed asks for its DeepSpeedCPUAdam unless told)
+OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}
+VARIANT_CONFIGS = {"small_buckets": SMALL_BUCKETS, "offload": OFFLOAD}
 
 
 def backward_state(engine) -> dict[str, float]:
@@ -122,12 +125,13 @@ def main() -> None:
             module = PatternModule(pattern, optimizer, int(steps))
         strategy = MultiDeepSpeedStrategy(
             stage=int(stage),
-            config=SMALL_BUCKETS if pattern.endswith("+small_buckets") else None,
+            config=VARIANT_CONFIGS.get(pattern.partition("+")[2]),
             engine_configs=FP16_SCALES if precision == "16-mixed" else None,
         )
         engines_at_end = AtFitEnd(
             lambda s: {
                 "engines": {name: backward_state(e) for name, e in s.engines.items()},
+                "offloaded": {name: bool(e.zero_cpu_offload()) for name, e in s.engines.items()},
                 "loss_scales": {name: float(getattr(e.optimizer, "loss_scale", 0.0)) for name, e in s.engines.items()},
                 "dtype": str(next(s.lightning_module.generator.parameters()).dtype),  # fp32 again after teardown
             }

@@ -28,6 +28,8 @@ EXPECTED = {
     "engine_called_directly": r"engine .generator. was called directly. Call the submodule instead \(`self.gen",
     "step_without_backward": r"`opt.step\(\)` of engine 'generator' was called with no gradient.*manual_backward",
     "zero_grad_before_step": r"engine 'generator' was called with no gradient since its last step or `zero_grad\(\)`",
+    "offload_with_torch_optimizer": r"engine 'generator' offloads its optimizer states .*`torch.optim.sgd.SGD`.*"
+    r"DeepSpeedCPUAdam\(self.generator.parameters\(\), ...\).*zero_force_ds_cpu_optimizer",
     "ema_of_another_shape": r"EMA engine 'discriminator' cannot average 'generator': their parameters differ.*deepcopy",
     "ema_that_is_trained": r"EMA engine 'generator' \(`ema=`\) has an optimizer.*stop returning an optimizer over",
 }

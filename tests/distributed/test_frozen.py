@@ -69,6 +69,16 @@ def test_distillation_with_frozen_teacher_matches_pytorch(tmp_path: Path, teache
         assert_frozen(results[spec], teacher_stage)
 
 
+def test_a_teacher_offloaded_to_the_cpu_gives_the_same_student(tmp_path: Path) -> None:
+    """``offload_param`` on a frozen ZeRO-3 teacher: its logits, and so the student's weights, are plain PyTorch's."""
+    specs = ["distill:3o:1", "distill:3o:2"]
+    results = train(tmp_path, "32-true", *specs)
+    for spec in specs:
+        assert results[spec]["frozen_offloads_parameters"] is True
+        assert_matches_reference(results[spec], "distill")
+        assert_frozen(results[spec], 3)
+
+
 def test_frozen_engine_in_the_middle_at_every_stage(tmp_path: Path) -> None:
     """loss = frozen_critic(G(z)): gradients pass through the frozen engine into G, both at the same stage."""
     specs = [f"frozen_middle:{stage}:{stage}" for stage in (0, 1, 2, 3)] + ["frozen_middle:3:1"]

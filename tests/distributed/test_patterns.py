@@ -108,6 +108,19 @@ def test_gan_with_adam_over_many_steps_matches_pytorch(tmp_path: Path, stage: in
         assert_backward_state_clean(results[pattern])
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_optimizer_states_train_as_plain_pytorch(tmp_path: Path, stage: int) -> None:
+    """``offload_optimizer`` on both engines: Adam steps on fp32 partitions in host memory, to PyTorch's weights."""
+    steps = 6
+    names = ("gan", "gan_zero_first")
+    results = train(tmp_path, stage, "adam", steps, "32-true", *(f"{name}+offload" for name in names))
+    for name in names:
+        result = results[f"{name}+offload"]
+        assert result["offloaded"] == {"generator": True, "discriminator": True}
+        assert_matches(result["weights"], patterns.reference(name, "adam", steps), TOLERANCE)
+        assert_backward_state_clean(result)
+
+
 def test_single_optimizer_automatic_optimization_matches_pytorch(tmp_path: Path) -> None:
     steps = 6
     result = train(tmp_path, 2, "sgd", steps, "32-true", "automatic")["automatic"]
