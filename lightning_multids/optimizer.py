@@ -61,6 +61,8 @@ class _StepState:
     has_gradients: bool = False
     configured_clipping: float | None = None
     """The engine's own clipping, while ``clip_next_step`` overrides it for one step."""
+    offloaded: bool = False
+    """Whether the engine's states are off the device (inside ``strategy.offloaded(...)``)."""
 
 
 class EngineOptimizer(Optimizer):
@@ -115,6 +117,15 @@ class EngineOptimizer(Optimizer):
         self._state.has_gradients = value
 
     @property
+    def offloaded(self) -> bool:
+        """Whether the engine's states are off the device now (inside ``strategy.offloaded(...)``)."""
+        return self._state.offloaded
+
+    @offloaded.setter
+    def offloaded(self, value: bool) -> None:
+        self._state.offloaded = value
+
+    @property
     def param_groups(self) -> list[MutableMapping]:  # type: ignore[override]
         """The engine optimizer's parameter groups, holding the module's parameters."""
         return [_GroupView(g, p) for g, p in zip(self.optimizer.param_groups, self._params, strict=True)]
@@ -137,6 +148,11 @@ class EngineOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.offloaded:
+            raise RuntimeError(
+                f"`opt.step()` of engine {self.name!r} inside `strategy.offloaded({self.name!r})`, where its optimizer "
+                "states are off the device. Call `opt.step()` after the `with` block."
+            )
         if internals.in_no_sync(self.engine):
             raise RuntimeError(
                 f"`opt.step()` of engine {self.name!r} inside `strategy.no_sync(...)`: its gradients are not reduced "

@@ -43,6 +43,7 @@ from lightning_multids.lifecycle import (
     zero3_init,
 )
 from lightning_multids.model_summary import count_partitioned
+from lightning_multids.offload import offloaded
 from lightning_multids.planning import check_clip_algorithm, warn_gradient_readers
 from lightning_multids.precision import EnginePrecision
 
@@ -303,6 +304,24 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """
         with gathered(name, self._engine_set.engines, self._engine_set.gathering) as module:
             yield module
+
+    @contextmanager
+    def offloaded(self, *names: str) -> Iterator[None]:
+        """Move the named trainable engines' states off the device for the block, and back when it ends.
+
+        Optimizer states, fp32 master weights, the engine's own weights and gradient buffers go to host memory
+        (DeepSpeed's ``engine.offload_states()``; ``reload_states()`` after), e.g. the critic's while the actor
+        generates::
+
+            with self.trainer.strategy.offloaded("critic"), self.trainer.strategy.gathered("actor") as actor:
+                sequences = actor.generate(prompts, length)
+
+        Inside the block the engine can neither run nor step (an error says so). DeepSpeed 0.19.8 moves the states
+        of ZeRO-1/2 engines, and of ZeRO-3 ones only with its ``FusedAdam``; other engines are refused, naming
+        the engine and why.
+        """
+        with offloaded(names, self._engine_set.optimizers, self._engine_set.frozen_names()):
+            yield
 
     def full_gradients(self, name: str) -> dict[str, Tensor]:
         """The gradients of engine ``name``, whole and averaged over the ranks, as plain PyTorch would hold them.
