@@ -10,7 +10,7 @@ during the block.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableSet
+from collections.abc import Iterator, Mapping, MutableSet, Sequence
 from contextlib import contextmanager
 
 import deepspeed
@@ -20,15 +20,19 @@ from deepspeed.runtime.zero.utils import is_zero_param
 from torch import nn
 
 from lightning_multids import internals
+from lightning_multids.optimizer import EngineOptimizer
 
 
 @contextmanager
-def gathered(name: str, engines: Mapping[str, DeepSpeedEngine], active: MutableSet[str]) -> Iterator[nn.Module]:
+def gathered(
+    name: str, engines: Mapping[str, DeepSpeedEngine], active: MutableSet[str], optimizers: Sequence[EngineOptimizer]
+) -> Iterator[nn.Module]:
     """Make engine ``name``'s submodule whole on this rank for the block, under ``torch.no_grad()``; yield it.
 
     A collective call: every rank enters the block (the gathering and the partitioning are all-gathers). At
     ZeRO-0/1/2 the submodule is whole already and only ``no_grad`` applies. ``active`` holds the names of
-    the engines inside such a block (nesting one is refused).
+    the engines inside such a block (nesting one is refused); a trained engine's optimizer (in ``optimizers``)
+    refuses to step inside it.
 
     Raises:
         ValueError: there is no engine ``name``, or it is already inside a block.
@@ -38,11 +42,15 @@ def gathered(name: str, engines: Mapping[str, DeepSpeedEngine], active: MutableS
             f"`gathered({name!r})`: there is no engine {name!r} now (engines: {sorted(engines)}). Engines exist "
             "from setup to teardown of fit, validate, test and predict; name a submodule that has one."
         )
-    if name in active:
-        raise ValueError(f"`gathered({name!r})`: the engine is already gathered; don't nest the blocks.")
+    optimizer = next((o for o in optimizers if o.name == name), None)
+    if name in active or (optimizer is not None and optimizer.inside):
+        block = optimizer.inside if optimizer is not None and optimizer.inside else f"strategy.gathered({name!r})"
+        raise ValueError(f"`gathered({name!r})`: the engine is inside `{block}` already; don't nest them.")
     engine = engines[name]
     params = [param for param in engine.module.parameters() if is_zero_param(param)]
     active.add(name)
+    if optimizer is not None:
+        optimizer.inside = f"strategy.gathered({name!r})"
     try:
         with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
             restore = internals.suspend_zero3_hooks(engine) if params else _nothing
@@ -52,6 +60,8 @@ def gathered(name: str, engines: Mapping[str, DeepSpeedEngine], active: MutableS
                 restore()
     finally:
         active.discard(name)
+        if optimizer is not None:
+            optimizer.inside = ""
 
 
 def _nothing() -> None:

@@ -54,8 +54,10 @@ def _choose(names: tuple[str, ...], optimizers: list[EngineOptimizer], frozen: s
                 f"Trainable engines exist during fit: {sorted(by_name)}."
             )
         optimizer = by_name[name]
-        if optimizer.offloaded:
-            raise ValueError(f"`offloaded({name!r})`: the engine is offloaded already; don't nest the blocks.")
+        if optimizer.inside:
+            raise ValueError(
+                f"`offloaded({name!r})`: the engine is inside `{optimizer.inside}` already; don't nest them."
+            )
         _check_supported(name, optimizer.engine)
         chosen.append(optimizer)
     return chosen
@@ -84,13 +86,13 @@ def _asleep(optimizer: EngineOptimizer) -> Iterator[None]:
     engine = optimizer.engine
     pin = engine.device.type == "cuda"  # pinned host memory makes the copies back faster; a CPU has none
     engine.offload_states(pin_memory=pin)
-    optimizer.offloaded = True
+    optimizer.inside = f"strategy.offloaded({optimizer.name!r})"
     handle = _refuse_forward(optimizer.name, engine.module)
     try:
         yield
     finally:
         handle.remove()
-        optimizer.offloaded = False
+        optimizer.inside = ""
         engine.reload_states()
 
 

@@ -61,8 +61,8 @@ class _StepState:
     has_gradients: bool = False
     configured_clipping: float | None = None
     """The engine's own clipping, while ``clip_next_step`` overrides it for one step."""
-    offloaded: bool = False
-    """Whether the engine's states are off the device (inside ``strategy.offloaded(...)``)."""
+    inside: str = ""
+    """The block the engine is in, where it cannot step: ``strategy.offloaded(...)`` or ``strategy.gathered(...)``."""
 
 
 class EngineOptimizer(Optimizer):
@@ -117,13 +117,13 @@ class EngineOptimizer(Optimizer):
         self._state.has_gradients = value
 
     @property
-    def offloaded(self) -> bool:
-        """Whether the engine's states are off the device now (inside ``strategy.offloaded(...)``)."""
-        return self._state.offloaded
+    def inside(self) -> str:
+        """The block the engine is in now (``strategy.offloaded('critic')``...), where it cannot step; or ``""``."""
+        return self._state.inside
 
-    @offloaded.setter
-    def offloaded(self, value: bool) -> None:
-        self._state.offloaded = value
+    @inside.setter
+    def inside(self, block: str) -> None:
+        self._state.inside = block
 
     @property
     def param_groups(self) -> list[MutableMapping]:  # type: ignore[override]
@@ -148,10 +148,10 @@ class EngineOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.offloaded:
+        if self.inside:
             raise RuntimeError(
-                f"`opt.step()` of engine {self.name!r} inside `strategy.offloaded({self.name!r})`, where its optimizer "
-                "states are off the device. Call `opt.step()` after the `with` block."
+                f"`opt.step()` of engine {self.name!r} inside `{self.inside}`, where the engine cannot step (its "
+                "states are off the device, or its weights whole outside ZeRO-3). Call `opt.step()` after the block."
             )
         if internals.in_no_sync(self.engine):
             raise RuntimeError(

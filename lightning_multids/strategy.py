@@ -302,7 +302,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         The whole submodule, in its engine's dtype, is on every rank during the block. At ZeRO-0/1/2 it is whole
         anyway and only ``no_grad`` applies.
         """
-        with gathered(name, self._engine_set.engines, self._engine_set.gathering) as module:
+        engines = self._engine_set
+        with gathered(name, engines.engines, engines.gathering, engines.optimizers) as module:
             yield module
 
     @contextmanager

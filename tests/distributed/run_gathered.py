@@ -81,6 +81,11 @@ class GatheredGAN(pl.LightningModule):
                 pass
         except ValueError as error:
             self.seen["errors"].append(str(error))
+        try:
+            with strategy.gathered("generator"):
+                self.optimizers()[0].step()
+        except RuntimeError as error:
+            self.seen["errors"].append(str(error))
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         return [patterns.make_optimizer("adam", m.parameters()) for m in (self.generator, self.discriminator)]

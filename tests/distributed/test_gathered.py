@@ -45,7 +45,8 @@ def test_training_after_the_blocks_matches_plain_pytorch(results: list[dict]) ->
 
 def test_misuse_is_refused_and_an_exception_leaves_it_usable(results: list[dict]) -> None:
     for seen in results:
-        raised, nested, unknown = seen["errors"]
+        raised, nested, unknown, stepped = seen["errors"]
         assert raised == "raised inside the block"
-        assert "`gathered('generator')`: the engine is already gathered; don't nest the blocks." in nested
+        assert "`gathered('generator')`: the engine is inside `strategy.gathered('generator')` already" in nested
         assert "there is no engine 'critic' now (engines: ['discriminator', 'generator', 'teacher'])" in unknown
+        assert "`opt.step()` of engine 'generator' inside `strategy.gathered('generator')`" in stepped

@@ -43,7 +43,7 @@ def test_inside_the_block_the_engine_neither_runs_nor_steps(results: dict) -> No
     errors = results["2:2"]["errors"]
     assert "`self.discriminator` was called inside `strategy.offloaded('discriminator')`" in errors["forward"]
     assert "`opt.step()` of engine 'discriminator' inside `strategy.offloaded('discriminator')`" in errors["step"]
-    assert "the engine is offloaded already; don't nest the blocks" in errors["nested"]
+    assert "the engine is inside `strategy.offloaded('discriminator')` already; don't nest them" in errors["nested"]
 
 
 def test_engines_deepspeed_cannot_offload_are_refused_by_name(results: dict) -> None:
