@@ -234,7 +234,7 @@ def move_towards(average: nn.Module, source: nn.Module, weight: float) -> None:
         for (a, s), local in zip(pairs, by_partition, strict=True)
     ]
     gather = [s for (_, s), direct in zip(pairs, from_partition, strict=True) if is_zero_param(s) and not direct]
-    with _gathered(gather):  # the same list on every rank: the decisions above read no rank's own state
+    with _gathered(gather):  # the same list on every rank: ZeRO-3 gathers and releases alike on every rank
         for (a, s), local, direct in zip(pairs, by_partition, from_partition, strict=True):
             if local:
                 part, start = internals.partition(a)

@@ -1,8 +1,10 @@
 """Per-rank script: ``strategy.gathered(name)`` around sampling in a ZeRO-3 GAN, with a frozen ZeRO-3 copy beside it.
 
 Usage: run_gathered.py OUT STEPS. Each step samples the generator and the frozen copy inside ``gathered`` and
-outside it (ZeRO-3's per-layer gathering), then trains the GAN. The first step also raises inside a block and
-nests one. Writes OUT.RANK: weights after fit and what each block saw.
+outside it (ZeRO-3's per-layer gathering), runs the discriminator (whose small parameters ZeRO-3 keeps whole:
+its default persistence threshold) inside ``gathered``, then trains the GAN. The first step also raises inside a
+block, nests one, names an unknown engine and steps inside a block. Writes OUT.RANK: weights after fit and what
+each block saw.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class GatheredGAN(pl.LightningModule):
             self.misuse(z)
         self.sample("generator", z)
         self.sample("teacher", z)
+        with self.trainer.strategy.gathered("discriminator") as discriminator:  # persistent parameters: whole always
+            discriminator(patterns.split(batch)[0])
         opt_g, opt_d = self.optimizers()
         patterns.gan_zero_first(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
 
@@ -98,7 +102,7 @@ def main() -> None:
     out, steps = sys.argv[1:]
     module = GatheredGAN(int(steps))
     strategy = MultiDeepSpeedStrategy(
-        engine_configs={"generator": ZERO3, "discriminator": ZERO3, "teacher": ZERO3},
+        engine_configs={"generator": ZERO3, "discriminator": {"zero_optimization": {"stage": 3}}, "teacher": ZERO3},
     )
     trainer = cpu_trainer(strategy, enable_checkpointing=False, use_distributed_sampler=False)
     trainer.fit(module)

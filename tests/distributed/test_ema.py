@@ -16,7 +16,7 @@ from tests.distributed.harness import run_ranks
 DECAY = 0.7  # far from 1, so that an average that skipped, repeated or mis-weighted an update shows
 STEPS = 2 * run_ema.BATCHES  # 2 epochs
 TOLERANCE = 1e-6
-SPECS = ["0:0", "2:0", "3p0:0", "2:3", "2:3p0", "3:3p0", "3p0:3p0", "2:3p0:resumed", "3p0:3p0:resumed"]
+SPECS = ["0:0", "2:0", "3p0:0", "2:3", "2:3p0", "3:3p0", "3p0:3p0", "2:3:resumed", "2:3p0:resumed", "3p0:3p0:resumed"]
 
 
 def reference(steps: int = STEPS, global_batch: int = 8) -> dict[str, torch.Tensor]:
