@@ -155,6 +155,17 @@ class Averager:
                 self.restart(name)
 
 
+def check_average_names(averages: Mapping[str, Average], module: nn.Module) -> None:
+    """Raise a ValueError for an ``ema=`` average that is not a direct submodule of ``module``."""
+    children = dict(module.named_children())
+    for name in averages:
+        if name not in children:
+            raise ValueError(
+                f"`ema=` names {name!r}, but {type(module).__name__} has no submodule of that name. Add it "
+                f"(`self.{name} = copy.deepcopy(self.{averages[name].source})` in `__init__`) or fix the name."
+            )
+
+
 def check_averages(
     averages: Mapping[str, Average],
     module: nn.Module,

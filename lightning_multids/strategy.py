@@ -31,7 +31,7 @@ from lightning_multids._deprecation import engine_configs_argument
 from lightning_multids.config import load_config, validate_stage, zero3_init_config
 from lightning_multids.data import forget_requested
 from lightning_multids.discovery import check_engine_names
-from lightning_multids.ema import EmaArgument, average_entries, parse_averages
+from lightning_multids.ema import EmaArgument, average_entries, check_average_names, parse_averages
 from lightning_multids.engines import EngineSet
 from lightning_multids.gathering import gathered
 from lightning_multids.lifecycle import (
@@ -196,7 +196,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             self.model = self._layer_sync.apply(self.model)
         module = self.lightning_module
         assert module is not None
-        check_engine_names(module, self._entries)
+        check_engine_names(module, self.engine_configs)
+        check_average_names(self.averages, module)
         if fitting:
             self._setup_fit(trainer, module)
             self.model_to_device()  # the plain submodules: the engines' ones are on the device already

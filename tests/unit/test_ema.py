@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.ema import Average, average_entries, check_averages, parse_averages
+from lightning_multids.ema import Average, average_entries, check_average_names, check_averages, parse_averages
 
 
 class Module(nn.Module):
@@ -90,3 +90,11 @@ def test_setup_refuses(ema: dict, trainable: list[str], configs: dict, message: 
 
 def test_setup_accepts_a_copy_of_a_trained_submodule() -> None:
     check_averages(parse_averages({"generator_ema": ("generator", 0.9)}), Module(), ["generator"], CONFIGS)
+
+
+def test_an_average_that_is_not_a_submodule_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"`ema=` names 'g_ema', but Module has no submodule.*copy.deepcopy\(self.generator\)"
+    ):
+        check_average_names(parse_averages({"g_ema": ("generator", 0.9)}), Module())
+    check_average_names(parse_averages({"generator_ema": ("generator", 0.9)}), Module())
