@@ -53,16 +53,13 @@ def gathered(
         optimizer.inside = f"strategy.gathered({name!r})"
     try:
         with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
-            restore = internals.suspend_zero3_hooks(engine) if params else _nothing
+            restore = internals.suspend_zero3_hooks(engine) if params else None
             try:
                 yield engine.module
             finally:
-                restore()
+                if restore is not None:
+                    restore()
     finally:
         active.discard(name)
         if optimizer is not None:
             optimizer.inside = ""
-
-
-def _nothing() -> None:
-    pass
