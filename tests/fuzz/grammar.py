@@ -1,0 +1,443 @@
+"""The fuzzer's grammar: a case is what a user writes around ``MultiDeepSpeedStrategy``, drawn from a seed.
+
+A :class:`Case` holds 1-4 small MLP submodules (each an engine: trained with its own optimizer, or frozen),
+their ZeRO stages and DeepSpeed options, an optional EMA engine, the precision, the hooks that read gradients,
+and a ``training_step`` written as a list of :class:`Phase` s. A phase backpropagates a loss (a sum of
+:class:`Term` s, each a chain of submodule calls) once per micro-batch, then steps some optimizers.
+Every dimension is a field with a plain default, so a case can be drawn (:func:`generate`), written as JSON
+(:func:`to_json`, :func:`from_json`) and simplified one field at a time (:func:`simplifications`).
+
+What :func:`generate` draws is limited by :class:`Switches`: the fixed slice in ``make test`` draws with
+:data:`SAFE`, which leaves out the dimensions of the defects known today.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+FEATURES = 4
+"""Every submodule maps ``FEATURES`` inputs to ``FEATURES`` outputs, so any chain of calls composes."""
+GLOBAL_BATCH = 8
+WORLD_SIZE = 2
+CHECKPOINTS = ("reentrant", "non_reentrant")
+
+
+@dataclass
+class Engine:
+    """One submodule ``Linear(4, hidden), Tanh, Linear(hidden, 4)`` and its engine."""
+
+    name: str
+    hidden: int = 4
+    optimizer: str | None = "sgd"
+    """``"sgd"``, ``"adam"``, or None for a frozen engine (an ``engine_configs`` entry and no optimizer)."""
+    stage: int = 0
+    offload: bool = False
+    """``offload_optimizer: {device: cpu}`` (torch's optimizer stepping on the CPU)."""
+    fp32_grad_accum: bool = False
+    """``data_types.grad_accum_dtype: fp32`` (bf16 at ZeRO-1: DeepSpeed's ``BF16_Optimizer``)."""
+    inner_checkpoint: str | None = None
+    """Its last two layers under ``torch.utils.checkpoint`` (``"reentrant"`` or ``"non_reentrant"``)."""
+
+    @property
+    def trained(self) -> bool:
+        return self.optimizer is not None
+
+
+@dataclass
+class Call:
+    """One call of a submodule in a chain, on the output of the previous call (or the term's source)."""
+
+    engine: str
+    detach: bool = False
+    """``.detach()`` the input first (``D(fake.detach())``)."""
+    no_grad: bool = False
+    """Run the call under ``torch.no_grad()`` (a teacher's targets)."""
+    checkpoint: str | None = None
+    """Run the whole call under ``torch.utils.checkpoint`` (``"reentrant"`` or ``"non_reentrant"``)."""
+
+
+@dataclass
+class Term:
+    """``weight * reduce(chain(source))``, where ``chain`` applies ``calls`` in order."""
+
+    calls: list[Call]
+    source: str = "x"
+    """``"x"`` or ``"y"``: the batch's first or last ``FEATURES`` columns."""
+    target: str = "zero"
+    """``"zero"``: ``out.pow(2).mean()``; ``"y"``: ``(out - y).pow(2).mean()``; ``"half"``: ``(out - 0.5)...``."""
+    weight: float = 1.0
+    scale: str = "const"
+    """``"data"``: times the mean absolute value of the rank's own batch (different on each rank)."""
+    gate: str = "always"
+    """``"first_step"``: only at ``batch_idx == 0``; ``"data"``: only where the rank's own batch has
+    ``x[:, 0].sum() > 0`` (so on some ranks only)."""
+    penalty: bool = False
+    """Instead of ``reduce``: a gradient penalty ``(|d out.sum() / d source|^2 - 1)^2`` (``create_graph=True``)."""
+
+
+@dataclass
+class Phase:
+    """Backpropagate ``sum(terms)`` per micro-batch, then step: one part of ``training_step``."""
+
+    terms: list[Term]
+    owner: str
+    """The trained engine the phase is for: toggled, and stepped under ``step="owner"``."""
+    step: str = "owner"
+    """Which optimizers to step: ``"owner"`` or ``"reached"`` (every engine with gradients on every rank)."""
+    steps: list[str] = field(default_factory=list)
+    """The optimizers stepped, in order: filled from ``step`` by ``reference.resolve``."""
+    micro: int = 1
+    """Micro-batches: ``backward(loss(chunk) / micro)`` for each ``chunk`` of the rank's batch."""
+    zero_grad: str = "after"
+    """``"before"`` the first backward (the stepped engines), ``"after"`` the steps (the stepped engines),
+    ``"between"`` the backwards and the steps (the other trained engines: their stray gradients), or ``"none"``."""
+    toggle: bool = False
+    """Run the phase inside ``self.toggled_optimizer(owner's optimizer)``."""
+    no_sync: str = "off"
+    """Run the backwards inside ``strategy.no_sync()``: ``"owner"`` (its engine) or ``"all"`` (every engine)."""
+    shared: bool = False
+    """Compute a chain prefix once per loss and reuse it: ``fake = G(z)``, then ``D(fake.detach())``, ``D(fake)``."""
+    plain_backward: bool = False
+    """``loss.backward()`` instead of ``self.manual_backward(loss)``."""
+
+
+@dataclass
+class Ema:
+    """``ema={average: (source, decay)}``: the submodule ``average`` (a copy of ``source``) follows its steps."""
+
+    average: str
+    source: str
+    stage: int = 0
+    decay: float = 0.5
+
+
+@dataclass
+class Case:
+    """Everything one fuzz case trains: 2 ranks, ``steps`` batches of ``GLOBAL_BATCH`` samples."""
+
+    seed: int
+    engines: list[Engine]
+    phases: list[Phase]
+    precision: str = "32-true"
+    ema: Ema | None = None
+    read_after_backward: list[str] = field(default_factory=list)
+    """Engines whose ``full_gradients`` ``on_after_backward`` reads, after every backward."""
+    read_before_step: bool = False
+    """``on_before_optimizer_step`` reads the ``full_gradients`` of the engine it steps."""
+    steps: int = 2
+
+    def engine(self, name: str) -> Engine:
+        return next(engine for engine in self.engines if engine.name == name)
+
+    @property
+    def trained(self) -> list[str]:
+        return [engine.name for engine in self.engines if engine.trained]
+
+    @property
+    def module_names(self) -> list[str]:
+        """Every submodule: the engines and the EMA average."""
+        return [engine.name for engine in self.engines] + ([self.ema.average] if self.ema else [])
+
+
+@dataclass(frozen=True)
+class Switches:
+    """Which dimensions :func:`generate` may draw; each one off leaves its field at the default."""
+
+    max_engines: int = 4
+    frozen: bool = True
+    adam: bool = True
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+    bf16: bool = True
+    offload: bool = True
+    fp32_grad_accum: bool = True
+    inner_checkpoint: bool = True
+    call_checkpoints: tuple[str, ...] = CHECKPOINTS
+    detach: bool = True
+    no_grad: bool = True
+    penalty: bool = True
+    rank_scale: bool = True
+    gates: tuple[str, ...] = ("first_step", "data")
+    micro: bool = True
+    zero_grad: tuple[str, ...] = ("before", "after", "between", "none")
+    toggle: bool = True
+    no_sync: bool = True
+    shared: bool = True
+    plain_backward: bool = True
+    read_after_backward: bool = True
+    read_before_step: bool = True
+    ema: bool = True
+
+
+FULL = Switches()
+SAFE = Switches(
+    offload=False,  # known defect 2: ZeRO-2 + offload_optimizer keeps gradients that zero_grad() should drop
+    fp32_grad_accum=False,  # known defect 3: full_gradients under BF16_Optimizer sees the last micro-backward only
+    read_after_backward=False,  # known defect 1: on_after_backward runs before the engines' epilogues
+    gates=("first_step",),  # known defect 4: a loss that reaches an engine on some ranks only
+    plain_backward=False,  # known defect 5: loss.backward() beside manual_backward
+    call_checkpoints=("non_reentrant",),  # known defect 6: an engine called plainly and in a reentrant checkpoint
+)
+"""The dimensions of :data:`FULL` without those of the six defects known on 2026-11-24."""
+
+
+def chance(rng: random.Random, p: float, allowed: bool = True) -> bool:
+    return allowed and rng.random() < p
+
+
+def draw_engines(rng: random.Random, switches: Switches) -> list[Engine]:
+    count = rng.randint(1, switches.max_engines)
+    engines = [draw_engine(rng, f"e{i}", switches) for i in range(count)]
+    if not any(engine.trained for engine in engines):
+        engines[0].optimizer = "sgd"
+    return engines
+
+
+def draw_engine(rng: random.Random, name: str, switches: Switches) -> Engine:
+    engine = Engine(name, hidden=rng.randint(4, 8), stage=rng.choice(switches.stages))
+    if chance(rng, 0.3, switches.frozen):
+        engine.optimizer = None
+    elif chance(rng, 0.4, switches.adam):
+        engine.optimizer = "adam"
+    engine.offload = engine.trained and engine.stage > 0 and chance(rng, 0.15, switches.offload)
+    if chance(rng, 0.15, switches.inner_checkpoint):
+        engine.inner_checkpoint = rng.choice(CHECKPOINTS)
+    return engine
+
+
+def draw_call(rng: random.Random, engine: str, switches: Switches, first: bool) -> Call:
+    call = Call(engine)
+    call.detach = not first and chance(rng, 0.15, switches.detach)
+    call.no_grad = chance(rng, 0.1, switches.no_grad)
+    if switches.call_checkpoints and chance(rng, 0.1):
+        call.checkpoint = rng.choice(switches.call_checkpoints)
+    return call
+
+
+def draw_term(rng: random.Random, names: list[str], owner: str | None, switches: Switches) -> Term:
+    """A chain of 1-3 calls; with ``owner``, the owner is among them and nothing after it cuts its gradient."""
+    chain = [rng.choice(names) for _ in range(rng.randint(1, 3))]
+    if owner is not None:
+        chain[rng.randrange(len(chain))] = owner
+    calls = [draw_call(rng, name, switches, first=i == 0) for i, name in enumerate(chain)]
+    if owner is not None:
+        at = chain.index(owner)
+        calls[at].no_grad = False
+        for call in calls[at + 1 :]:
+            call.detach = call.no_grad = False
+    term = Term(calls, source=rng.choice(("x", "y")), target=rng.choice(("zero", "y", "half")))
+    term.weight = rng.choice((1.0, 0.5, 2.0))
+    term.scale = "data" if chance(rng, 0.15, switches.rank_scale) else "const"
+    if owner is None and switches.gates and chance(rng, 0.25):
+        term.gate = rng.choice(switches.gates)
+    term.penalty = chance(rng, 0.15, switches.penalty) and penalty_allowed(term)
+    return term
+
+
+def penalty_allowed(term: Term) -> bool:
+    """A gradient penalty needs a chain that autograd can differentiate twice from its source."""
+    return not any(call.detach or call.no_grad or call.checkpoint == "reentrant" for call in term.calls)
+
+
+def draw_phase(rng: random.Random, case: Case, switches: Switches) -> Phase:
+    names = [engine.name for engine in case.engines] + ([case.ema.average] if case.ema else [])
+    owner = rng.choice(case.trained)
+    terms = [draw_term(rng, names, owner, switches)]
+    terms += [draw_term(rng, names, None, switches) for _ in range(rng.choice((0, 0, 1, 2)))]
+    phase = Phase(terms, owner, step=rng.choice(("owner", "owner", "reached")))
+    phase.micro = rng.choice((2, 3)) if chance(rng, 0.3, switches.micro) else 1
+    phase.zero_grad = rng.choice(switches.zero_grad)
+    phase.toggle = chance(rng, 0.3, switches.toggle)
+    phase.no_sync = rng.choice(("owner", "all")) if chance(rng, 0.2, switches.no_sync) else "off"
+    phase.shared = chance(rng, 0.3, switches.shared)
+    phase.plain_backward = chance(rng, 0.05, switches.plain_backward)
+    return phase
+
+
+def draw_case(seed: int, rng: random.Random, switches: Switches) -> Case:
+    """One draft case; ``reference.resolve`` decides the steps and whether it is valid."""
+    case = Case(seed, draw_engines(rng, switches), [])
+    case.precision = "bf16-mixed" if chance(rng, 0.3, switches.bf16) else "32-true"
+    for engine in case.engines:
+        bf16_optimizer = case.precision == "bf16-mixed" and engine.trained and engine.stage == 1 and not engine.offload
+        engine.fp32_grad_accum = bf16_optimizer and chance(rng, 0.4, switches.fp32_grad_accum)
+    if chance(rng, 0.15, switches.ema):
+        case.ema = Ema("avg", rng.choice(case.trained), stage=rng.choice(switches.stages))
+    case.phases = [draw_phase(rng, case, switches) for _ in range(rng.randint(1, 3))]
+    if chance(rng, 0.2, switches.read_after_backward):
+        case.read_after_backward = sorted(rng.sample(case.trained, rng.randint(1, len(case.trained))))
+    case.read_before_step = chance(rng, 0.25, switches.read_before_step)
+    return case
+
+
+def generate(seed: int, switches: Switches = FULL, valid: Callable[[Case], Case | None] | None = None) -> Case:
+    """The case of ``seed``: the first draft that ``valid`` accepts (returning it resolved), drawn from ``seed``.
+
+    Without ``valid`` the first draft, unresolved.
+    """
+    rng = random.Random(seed)
+    for _ in range(50):
+        case = draw_case(seed, rng, switches)
+        resolved = valid(case) if valid is not None else case
+        if resolved is not None:
+            return resolved
+    raise RuntimeError(f"seed {seed}: no valid case in 50 drafts")
+
+
+# ---- JSON ------------------------------------------------------------------------------------------------
+
+
+def to_dict(case: Case) -> dict[str, Any]:
+    return dataclasses.asdict(case)
+
+
+def to_json(case: Case) -> str:
+    return json.dumps(to_dict(case), sort_keys=True)
+
+
+def from_dict(data: dict[str, Any]) -> Case:
+    phases = [
+        Phase(**{**p, "terms": [Term(**{**t, "calls": [Call(**c) for c in t["calls"]]}) for t in p["terms"]]})
+        for p in data["phases"]
+    ]
+    ema = Ema(**data["ema"]) if data.get("ema") else None
+    engines = [Engine(**e) for e in data["engines"]]
+    return Case(**{**data, "engines": engines, "phases": phases, "ema": ema})
+
+
+def from_json(text: str) -> Case:
+    return from_dict(json.loads(text))
+
+
+# ---- simplification (for the shrinker) -------------------------------------------------------------------
+
+Path = tuple[str | int, ...]
+"""Where an edit acts, from the case: ``("phases", 0, "terms", 1)`` is ``case.phases[0].terms[1]``."""
+
+
+def _at(case: Case, path: Path) -> Any:
+    target: Any = case
+    for part in path:
+        target = target[part] if isinstance(part, int) else getattr(target, part)
+    return target
+
+
+@dataclass(frozen=True)
+class SetField:
+    """Set ``key`` of the object at ``path`` to ``value`` (a simpler one)."""
+
+    path: Path
+    key: str
+    value: Any
+
+    def apply(self, case: Case) -> bool:
+        target = _at(case, self.path)
+        if target is None or getattr(target, self.key) == self.value:
+            return False
+        setattr(target, self.key, copy.deepcopy(self.value))
+        if self.key == "precision":  # DeepSpeed's BF16_Optimizer exists in bf16 only
+            for engine in case.engines:
+                engine.fp32_grad_accum = False
+        if self.key == "stage" and self.path[0] == "engines":
+            target.offload = target.offload and self.value > 0
+        return True
+
+    def __str__(self) -> str:
+        return f"{'.'.join(map(str, self.path)) or 'case'}: {self.key}={self.value!r}"
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Remove item ``index`` of the list at ``path`` (keeping at least one)."""
+
+    path: Path
+    index: int
+
+    def apply(self, case: Case) -> bool:
+        items = _at(case, self.path)
+        if len(items) <= 1:
+            return False
+        del items[self.index]
+        return True
+
+    def __str__(self) -> str:
+        return f"drop {'.'.join(map(str, self.path))}[{self.index}]"
+
+
+@dataclass(frozen=True)
+class DropEngine:
+    """Remove an engine that no call, phase, hook or average refers to."""
+
+    name: str
+
+    def apply(self, case: Case) -> bool:
+        used = {call.engine for phase in case.phases for term in phase.terms for call in term.calls}
+        used |= {phase.owner for phase in case.phases} | set(case.read_after_backward)
+        used |= {case.ema.source} if case.ema else set()
+        if self.name in used or len(case.engines) == 1:
+            return False
+        case.engines = [engine for engine in case.engines if engine.name != self.name]
+        return True
+
+    def __str__(self) -> str:
+        return f"drop engine {self.name}"
+
+
+Edit = SetField | Drop | DropEngine
+
+PHASE_DEFAULTS = {"micro": 1, "toggle": False, "no_sync": "off", "shared": False, "plain_backward": False}
+PHASE_DEFAULTS |= {"zero_grad": "after", "step": "owner"}
+TERM_DEFAULTS = {"penalty": False, "gate": "always", "scale": "const", "weight": 1.0, "target": "zero", "source": "x"}
+CALL_DEFAULTS = {"detach": False, "no_grad": False, "checkpoint": None}
+ENGINE_DEFAULTS = {"offload": False, "fp32_grad_accum": False, "inner_checkpoint": None, "hidden": 4}
+
+
+def simplifications(case: Case) -> Iterator[tuple[str, Case]]:
+    """Every case one edit simpler than ``case`` (unresolved), biggest edits first, each with a description."""
+    for edit in edits(case):
+        simpler = copy.deepcopy(case)
+        if edit.apply(simpler):
+            yield str(edit), simpler
+
+
+def edits(case: Case) -> Iterator[Edit]:
+    yield from _removals(case)
+    yield SetField((), "steps", 1)
+    yield SetField((), "ema", None)
+    yield SetField((), "precision", "32-true")
+    yield SetField((), "read_before_step", False)
+    yield SetField((), "read_after_backward", [])
+    if len(case.read_after_backward) > 1:
+        yield SetField((), "read_after_backward", case.read_after_backward[:1])
+    yield SetField(("ema",), "stage", 0)
+    for i, phase in enumerate(case.phases):
+        yield from _defaults(("phases", i), PHASE_DEFAULTS)
+        if phase.micro == 3:
+            yield SetField(("phases", i), "micro", 2)
+        for j, term in enumerate(phase.terms):
+            yield from _defaults(("phases", i, "terms", j), TERM_DEFAULTS)
+            for k in range(len(term.calls)):
+                yield from _defaults(("phases", i, "terms", j, "calls", k), CALL_DEFAULTS)
+    for index, engine in enumerate(case.engines):
+        yield from _defaults(("engines", index), ENGINE_DEFAULTS)
+        if engine.trained:
+            yield SetField(("engines", index), "optimizer", "sgd")
+        yield from (SetField(("engines", index), "stage", stage) for stage in range(engine.stage))
+
+
+def _removals(case: Case) -> Iterator[Edit]:
+    for i, phase in enumerate(case.phases):
+        yield Drop(("phases",), i)
+        for j, term in enumerate(phase.terms):
+            yield Drop(("phases", i, "terms"), j)
+            yield from (Drop(("phases", i, "terms", j, "calls"), k) for k in range(len(term.calls)))
+    yield from (DropEngine(engine.name) for engine in case.engines)
+
+
+def _defaults(path: Path, defaults: dict[str, Any]) -> Iterator[Edit]:
+    return (SetField(path, key, value) for key, value in defaults.items())

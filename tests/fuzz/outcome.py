@@ -1,0 +1,165 @@
+"""Classify what a case's run gave against the reference: match, mismatch, documented or undocumented error, hang.
+
+* **match**: every rank's final weights, and every gradient its hooks read, within the tolerance of the case's
+  precision (:data:`TOLERANCES`) of plain PyTorch.
+* **mismatch**: the run finished, and something is outside it: a silent wrong result.
+* **documented**: an error the strategy raises itself, with a message that says what to do: raised in
+  ``lightning_multids`` and containing one of the messages of its ``raise`` statements (:func:`signatures`).
+* **undocumented**: any other error (DeepSpeed's internals, torch's, an assertion).
+* **hang**: a rank did not finish in time.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lightning_multids
+from tests.fuzz.grammar import Case
+from tests.fuzz.reference import Result
+
+KINDS = ("match", "mismatch", "documented", "undocumented", "hang")
+
+TOLERANCES = {"32-true": (1e-5, 1e-5), "bf16-mixed": (3e-2, 3e-2)}
+"""``(atol, rtol)`` per precision: ``|got - expected| <= atol + rtol * |expected|`` for every weight and gradient.
+
+fp32: the ranks sum and average in another order than one process, a few ulps (1e-7) per operation; 1e-5
+leaves a hundredfold margin (the distributed suite's ``TOLERANCE``). bf16 keeps 8 significant bits: each weight
+is held in bf16 (2^-9 relative), and the forward and backward run in bf16, so gradients carry a relative error
+of a few 2^-8 through 2-3 layers and a penalty's double backward. 3e-2 is the suite's bf16 tolerance
+(``test_bf16_gan_trains_close_to_fp32``, "bf16 resolution" in the README), fixed: it is not widened to pass.
+"""
+
+COLLECTIVE_FAILURE = re.compile(r"Connection (closed|reset)|Broken pipe|gloo", re.IGNORECASE)
+"""A rank's error that only says another rank went away (the strategy's own ``on_exception`` test)."""
+
+
+@dataclass
+class Outcome:
+    kind: str
+    detail: str = ""
+    error_type: str = ""
+    where: str = ""
+    """For an error: the innermost frame, ``file:function``."""
+    worst: float = 0.0
+    """For a finished run: the largest ``|got - expected| / tolerance`` (above 1 is a mismatch)."""
+    seconds: float = 0.0
+    errors: list[dict[str, Any]] = field(default_factory=list)
+
+    def signature(self) -> tuple[str, ...]:
+        """What the shrinker keeps: the class, and for an error its type and the innermost frame's file."""
+        if self.kind in ("documented", "undocumented"):
+            return (self.kind, self.error_type, self.where.split(":")[0])
+        if self.kind == "mismatch":
+            return (self.kind, self.detail.split(" ")[0])
+        return (self.kind,)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---- finished runs ---------------------------------------------------------------------------------------
+
+
+def excess(got: torch.Tensor, expected: torch.Tensor, precision: str) -> float:
+    """The largest ``|got - expected| / (atol + rtol * |expected|)``: above 1 is outside the tolerance."""
+    atol, rtol = TOLERANCES[precision]
+    if got.shape != expected.shape:
+        return float("inf")
+    return float(((got - expected).abs() / (atol + rtol * expected.abs())).max()) if got.numel() else 0.0
+
+
+def compare_weights(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], precision: str
+) -> tuple[float, str]:
+    if got.keys() != expected.keys():
+        return float("inf"), f"weights: keys differ: {sorted(got.keys() ^ expected.keys())}"
+    worst, where = max(((excess(got[k], expected[k], precision), k) for k in expected), default=(0.0, ""))
+    return worst, f"weights: {where}"
+
+
+def compare_reads(got: list[dict[str, Any]], expected: list[dict[str, Any]], precision: str) -> tuple[float, str]:
+    if [(r["hook"], r["engine"]) for r in got] != [(r["hook"], r["engine"]) for r in expected]:
+        return float("inf"), f"reads: {len(got)} hook reads, plain PyTorch {len(expected)}"
+    worst, where = 0.0, ""
+    for index, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+        ratio, key = compare_weights(mine["grads"], theirs["grads"], precision)
+        if ratio > worst:
+            worst, where = ratio, f"reads: #{index} {mine['hook']} of {mine['engine']}: {key.split(': ', 1)[1]}"
+    return worst, where
+
+
+def compare(case: Case, expected: Result, ranks: list[dict[str, Any]]) -> Outcome:
+    """Compare every rank's weights and hook reads with the reference's."""
+    reads = [read.to_dict() for read in expected.reads]
+    worst, detail = 0.0, ""
+    for rank, result in enumerate(ranks):
+        for ratio, where in (
+            compare_weights(result["weights"], expected.weights, case.precision),
+            compare_reads(result["reads"], reads, case.precision),
+        ):
+            if ratio > worst:
+                worst, detail = ratio, f"{where} on rank {rank}"
+    seconds = max(float(result["seconds"]) for result in ranks)
+    kind = "mismatch" if worst > 1.0 else "match"
+    return Outcome(kind, detail=detail if kind == "mismatch" else "", worst=worst, seconds=seconds)
+
+
+# ---- errors ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def signatures() -> tuple[str, ...]:
+    """The literal parts (20 characters or more) of every message ``lightning_multids`` raises."""
+    found: set[str] = set()
+    for path in Path(lightning_multids.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+                found.update(_literal_parts(node.exc.args[0]))
+    return tuple(sorted(found))
+
+
+def _literal_parts(node: ast.expr) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        pieces = [node.value]
+    elif isinstance(node, ast.JoinedStr):
+        pieces = [v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+    else:
+        return []
+    return [piece.strip() for piece in pieces if len(piece.strip()) >= 20]
+
+
+def is_documented(error: dict[str, Any]) -> bool:
+    """Raised by ``lightning_multids`` itself, with one of its messages."""
+    innermost = error["frames"][-1] if error["frames"] else ""
+    ours = "lightning_multids/" in innermost
+    return ours and any(signature in error["message"] for signature in signatures())
+
+
+def primary(errors: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The error that started it: the first rank's that is not just another rank going away."""
+    for error in errors:
+        if not COLLECTIVE_FAILURE.search(error["message"]):
+            return error
+    return errors[0] if errors else None
+
+
+def from_errors(errors: list[dict[str, Any]], timed_out: bool) -> Outcome:
+    """The outcome of a run that did not finish: ``errors`` are the ranks' error records (possibly none)."""
+    error = primary(errors)
+    if timed_out:
+        said = f" (a rank raised {error['type']}: {error['message'][:200]})" if error else ""
+        return Outcome("hang", detail=f"a rank did not finish in time{said}", errors=errors)
+    if error is None:
+        return Outcome("undocumented", detail="a rank exited with no error recorded", errors=errors)
+    frame = error["frames"][-1] if error["frames"] else ""
+    where = f"{Path(frame.split(':')[0]).name}:{frame.rsplit(':', 1)[-1]}" if frame else ""
+    kind = "documented" if is_documented(error) else "undocumented"
+    first_line = error["message"].strip().splitlines()[0] if error["message"].strip() else ""
+    return Outcome(kind, detail=first_line[:300], error_type=error["type"], where=where, errors=errors)

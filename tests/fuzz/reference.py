@@ -1,0 +1,210 @@
+"""The reference: a case trained in one process of plain PyTorch, and the steps a draft case may take.
+
+Each backward runs once per rank's shard of the global batch, on ``loss / world_size``: the average of the
+ranks' gradients that DDP (and the strategy) take, also where a term depends on the rank's own data. The
+conventions the strategy documents are followed: ``opt.step()`` clears the gradients it applied (as
+DeepSpeed does); an EMA average follows ``AveragedModel`` with ``get_ema_multi_avg_fn`` after each step of
+its source; ``full_gradients`` of an engine holds its trainable parameters' averaged gradients (zeros where
+none arrived).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.fuzz import program
+from tests.fuzz.grammar import WORLD_SIZE, Case, Phase
+
+Grads = dict[str, torch.Tensor]
+
+
+@dataclass
+class Read:
+    """What a hook read: ``full_gradients(engine)`` in ``on_after_backward`` or ``on_before_optimizer_step``."""
+
+    hook: str
+    engine: str
+    grads: Grads
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hook": self.hook, "engine": self.engine, "grads": self.grads}
+
+
+@dataclass
+class Result:
+    weights: dict[str, torch.Tensor]
+    reads: list[Read] = field(default_factory=list)
+
+
+def weights(modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    return {f"{name}.{k}": v.detach().float().clone() for name, m in modules.items() for k, v in m.state_dict().items()}
+
+
+def gradients(module: nn.Module) -> Grads:
+    """What ``full_gradients`` returns for ``module`` where its gradients are whole: zeros for a missing one."""
+    return {
+        key: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
+        for key, p in module.named_parameters()
+        if p.requires_grad
+    }
+
+
+class InvalidCase(Exception):
+    """The draft does something plain PyTorch refuses, or that the strategy refuses by design."""
+
+
+class ReferenceBackend:
+    """Plain PyTorch for :func:`program.training_step`; records what the hooks read, and which engines a
+    backward reaches on which rank (for :func:`resolve`)."""
+
+    def __init__(self, case: Case, modules: dict[str, nn.Module]) -> None:
+        self.case, self.modules = case, modules
+        for name in case.module_names:
+            if name not in case.trained:
+                modules[name].requires_grad_(False)
+        self.optimizers = {
+            name: program.make_optimizer(str(case.engine(name).optimizer), modules[name].parameters())
+            for name in case.trained
+        }
+        self.averaged = 0
+        self.shards: list[torch.Tensor] = []
+        self.reads: list[Read] = []
+        self.rank = 0
+        self.entered: set[int] = set()
+        self.reached: dict[str, set[int]] = {name: set() for name in case.trained}
+        """The ranks on which each trained engine holds gradients (since its last step or zero_grad)."""
+        self.wanted: list[tuple[Phase, list[str]]] = []
+        """Per phase run, the optimizers its ``step`` policy asks for (see :func:`resolve`)."""
+        self._hooks = [
+            p.register_hook(lambda grad, name=name: self._arrived(name))
+            for name in case.trained
+            for p in modules[name].parameters()
+        ]
+
+    def _arrived(self, name: str) -> None:
+        self.reached[name].add(self.rank)
+        self.entered.add(self.rank)
+
+    def backward(self, loss_of: program.LossOf, plain: bool) -> None:
+        self.entered = set()
+        for rank, batch in enumerate(self.shards):
+            self.rank = rank
+            loss = loss_of(batch)
+            if loss.grad_fn is None:
+                raise InvalidCase(f"a loss needs no gradient on rank {rank}")
+            (loss / len(self.shards)).backward()
+            if rank not in self.entered:
+                raise InvalidCase(f"a backward reaches no trained engine on rank {rank}")
+        if not plain:
+            self.reads += [Read("after_backward", n, gradients(self.modules[n])) for n in self.case.read_after_backward]
+
+    def before_steps(self, phase: Phase) -> None:
+        everywhere = [name for name in self.case.trained if len(self.reached[name]) == len(self.shards)]
+        if phase.step == "owner":
+            everywhere = [name for name in everywhere if name == phase.owner]
+        self.wanted.append((phase, everywhere))
+
+    def step(self, name: str) -> None:
+        if len(self.reached[name]) != len(self.shards):
+            raise InvalidCase(f"{name} steps without gradients on every rank")
+        if self.case.read_before_step:
+            self.reads.append(Read("before_step", name, gradients(self.modules[name])))
+        self.optimizers[name].step()
+        self.zero_grad(name)  # the strategy's opt.step() clears the gradients it applied, as DeepSpeed's step does
+        ema = self.case.ema
+        if ema is not None and ema.source == name:
+            move_towards(self.modules[ema.average], self.modules[name], 1.0 if not self.averaged else 1 - ema.decay)
+            self.averaged += 1
+
+    def zero_grad(self, name: str) -> None:
+        self.optimizers[name].zero_grad()
+        self.reached[name].clear()
+
+    @contextlib.contextmanager
+    def toggled(self, name: str) -> Iterator[None]:
+        """Lightning's ``toggle_optimizer``: only ``name``'s optimizer's parameters require gradients."""
+        saved = {p: p.requires_grad for n in self.case.trained for p in self.modules[n].parameters()}
+        for p in saved:
+            p.requires_grad_(False)
+        for p in self.modules[name].parameters():
+            p.requires_grad_(saved[p])
+        try:
+            yield
+        finally:
+            for p, flag in saved.items():
+                p.requires_grad_(flag)
+
+    def no_sync(self, names: list[str]) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the same mathematics with or without it
+
+
+def move_towards(average: nn.Module, source: nn.Module, weight: float) -> None:
+    """``AveragedModel(multi_avg_fn=get_ema_multi_avg_fn(decay))``: copy first, then ``lerp_(source, 1 - decay)``."""
+    with torch.no_grad():
+        for a, s in zip(average.parameters(), source.parameters(), strict=True):
+            a.lerp_(s, weight)
+        for mine, theirs in zip(average.buffers(), source.buffers(), strict=True):
+            mine.copy_(theirs)
+
+
+def train(case: Case) -> tuple[Result, ReferenceBackend]:
+    """Train ``case`` in plain PyTorch; raise :class:`InvalidCase` where it cannot be a fuzz case."""
+    modules = program.make_modules(case)
+    backend = ReferenceBackend(case, modules)
+    data = program.make_data(case)
+    for step in range(case.steps):
+        batch = program.global_batch(data, step)
+        backend.shards = [program.shard(batch, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
+        try:
+            program.training_step(backend, case, modules, step)
+        except (RuntimeError, ValueError) as error:  # e.g. a tensor changed in place that a backward needs
+            raise InvalidCase(f"plain PyTorch raised {type(error).__name__}: {error}") from error
+    return Result(weights(modules), backend.reads), backend
+
+
+def reference(case: Case) -> Result:
+    return train(case)[0]
+
+
+def supported(case: Case) -> bool:
+    """DeepSpeed's ``BF16_Optimizer`` (fp32 gradient accumulation under bf16) exists at ZeRO-1 only, without
+    offloading; elsewhere DeepSpeed refuses the mix (``NotImplementedError: unsupported mix``)."""
+    return all(
+        not e.fp32_grad_accum or (case.precision == "bf16-mixed" and e.stage == 1 and not e.offload)
+        for e in case.engines
+    )
+
+
+def resolve(case: Case) -> Case | None:
+    """``case`` with each phase's ``steps`` filled from its ``step`` policy, or None if it is not a valid case.
+
+    A phase steps, in every training step, the engines its policy names that hold gradients on every rank
+    then (owner first); since clearing and stepping change what later phases hold, this repeats to a fixed
+    point. Invalid: plain PyTorch fails, a backward reaches no trained engine on some rank (the strategy
+    refuses it, as documented), or nothing steps.
+    """
+    if not supported(case):
+        return None
+    case = copy.deepcopy(case)
+    for _ in range(6):
+        try:
+            _, backend = train(case)
+        except InvalidCase:
+            return None
+        chosen = {id(phase): list(phase.steps) for phase in case.phases}
+        for phase in case.phases:
+            runs = [wanted for p, wanted in backend.wanted if p is phase]
+            common = [name for name in runs[0] if all(name in run for run in runs)] if runs else []
+            chosen[id(phase)] = sorted(common, key=lambda name: (name != phase.owner, case.trained.index(name)))
+        if all(chosen[id(phase)] == phase.steps for phase in case.phases):
+            return case if any(phase.steps for phase in case.phases) else None
+        for phase in case.phases:
+            phase.steps = chosen[id(phase)]
+    return None

@@ -1,0 +1,159 @@
+"""Per-rank script: fit fuzz cases under MultiDeepSpeedStrategy, one after the other, and save what they give.
+
+Usage: run_case.py CASES_JSON OUT
+
+CASES_JSON holds a JSON list of cases (``grammar.to_dict``). For case ``i`` each rank writes
+``OUT/i.rank<r>.pt`` ({"weights", "reads", "seconds"}) when the fit ends, or ``OUT/i.rank<r>.error.json``
+(the exception's type, message and innermost frames) and exits non-zero at the first case that raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_multids import MultiDeepSpeedStrategy
+from tests.distributed.common import cpu_trainer, finish, sharded_loader
+from tests.fuzz import grammar, program
+from tests.fuzz.grammar import GLOBAL_BATCH, WORLD_SIZE, Case, Engine, Phase
+
+warnings.filterwarnings("ignore")
+
+
+class StrategyBackend:
+    """:class:`program.Backend` through the strategy: this rank's batch, ``manual_backward``, ``opt.step()``."""
+
+    def __init__(self, module: FuzzModule, batch: torch.Tensor) -> None:
+        self.module, self.batch = module, batch
+        optimizers = module.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        self.optimizers = dict(zip(module.case.trained, optimizers, strict=True))
+
+    def backward(self, loss_of: program.LossOf, plain: bool) -> None:
+        loss = loss_of(self.batch)
+        if plain:
+            loss.backward()
+        else:
+            self.module.manual_backward(loss)
+
+    def before_steps(self, phase: Phase) -> None:
+        pass
+
+    def step(self, name: str) -> None:
+        self.optimizers[name].step()
+
+    def zero_grad(self, name: str) -> None:
+        self.optimizers[name].zero_grad()
+
+    def toggled(self, name: str) -> contextlib.AbstractContextManager:
+        return self.module.toggled_optimizer(self.optimizers[name])
+
+    def no_sync(self, names: list[str]) -> contextlib.AbstractContextManager:
+        return self.module.trainer.strategy.no_sync(*names)  # type: ignore[attr-defined]
+
+
+class FuzzModule(pl.LightningModule):
+    def __init__(self, case: Case) -> None:
+        super().__init__()
+        self.case = case
+        self.automatic_optimization = False
+        for name, module in program.make_modules(case).items():
+            setattr(self, name, module)
+        self.reads: list[dict[str, Any]] = []
+
+    def submodules(self) -> dict[str, nn.Module]:
+        return {name: getattr(self, name) for name in self.case.module_names}
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        program.training_step(StrategyBackend(self, batch), self.case, self.submodules(), batch_idx)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            program.make_optimizer(str(self.case.engine(name).optimizer), getattr(self, name).parameters())
+            for name in self.case.trained
+        ]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return sharded_loader(self, program.make_data(self.case), batch_size=GLOBAL_BATCH // WORLD_SIZE)
+
+    def read(self, hook: str, name: str) -> None:
+        grads = self.trainer.strategy.full_gradients(name)  # type: ignore[attr-defined]
+        self.reads.append({"hook": hook, "engine": name, "grads": {k: v.clone() for k, v in grads.items()}})
+
+    def on_after_backward(self) -> None:
+        for name in self.case.read_after_backward:
+            self.read("after_backward", name)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.case.read_before_step:
+            self.read("before_step", self.case.trained[self.trainer.optimizers.index(optimizer)])
+
+
+def engine_config(engine: Engine) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": engine.stage}
+    config: dict[str, Any] = {"zero_optimization": zero}
+    if engine.offload:  # torch's optimizer on the CPU, as tests/distributed/run_patterns.py's OFFLOAD
+        zero["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
+    if engine.fp32_grad_accum:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
+
+
+def make_strategy(case: Case) -> MultiDeepSpeedStrategy:
+    configs: dict[str, dict[str, Any] | str] = {engine.name: engine_config(engine) for engine in case.engines}
+    ema = None
+    if case.ema is not None:
+        configs[case.ema.average] = {"zero_optimization": {"stage": case.ema.stage}}
+        ema = {case.ema.average: (case.ema.source, case.ema.decay)}
+    return MultiDeepSpeedStrategy(engine_configs=configs, ema=ema)
+
+
+def fit(case: Case) -> dict[str, Any]:
+    start = time.perf_counter()
+    module = FuzzModule(case)
+    strategy = make_strategy(case)
+    trainer = cpu_trainer(strategy, precision=case.precision, use_distributed_sampler=False, enable_checkpointing=False)
+    trainer.fit(module)
+    state = strategy.consolidated_state_dict()  # every rank: gathers ZeRO-3 partitions
+    weights = {k: v.detach().float().clone() for k, v in state.items()}
+    return {"weights": weights, "reads": module.reads, "seconds": time.perf_counter() - start}
+
+
+def describe(error: BaseException) -> dict[str, Any]:
+    frames = traceback.extract_tb(error.__traceback__)
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "frames": [f"{frame.filename}:{frame.lineno}:{frame.name}" for frame in frames[-12:]],
+    }
+
+
+def main() -> None:
+    cases_json, out = sys.argv[1:]
+    cases = [grammar.from_dict(data) for data in json.loads(Path(cases_json).read_text())]
+    root = Path(out)
+    rank = int(os.environ.get("NODE_RANK", "0")) + int(os.environ.get("LOCAL_RANK", "0"))  # 1 node, or 1 per node
+    for index, case in enumerate(cases):
+        try:
+            result = fit(case)
+        except BaseException as error:
+            (root / f"{index}.rank{rank}.error.json").write_text(json.dumps(describe(error)))
+            raise
+        torch.save(result, root / f"{index}.rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
+    finish()

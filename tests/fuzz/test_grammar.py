@@ -1,0 +1,140 @@
+"""The fuzzer's own parts, in one process: generation, JSON, shrinking edits, the reference and the classifier."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.fuzz import fuzz, grammar, outcome, reference
+from tests.fuzz.grammar import Call, Case, Engine, Phase, Term
+
+
+def gan_case() -> Case:
+    """D called twice (real, fake.detach()), then G's loss through D: the README's GAN."""
+    d_phase = Phase(
+        [Term([Call("g"), Call("d", detach=True)]), Term([Call("d")], source="y")], owner="d", zero_grad="before"
+    )
+    g_phase = Phase([Term([Call("g"), Call("d")], target="half")], owner="g", toggle=True)
+    return Case(0, [Engine("d", stage=2), Engine("g", stage=3, optimizer="adam")], [d_phase, g_phase])
+
+
+def test_a_seed_gives_the_same_case_and_json_round_trips() -> None:
+    for seed in range(20):
+        case = grammar.generate(seed, valid=reference.resolve)
+        assert grammar.to_json(case) == grammar.to_json(grammar.generate(seed, valid=reference.resolve))
+        assert grammar.to_json(grammar.from_json(grammar.to_json(case))) == grammar.to_json(case)
+
+
+def test_safe_switches_leave_out_the_known_defects() -> None:
+    for seed in range(60):
+        assert not set(fuzz.suspects(grammar.generate(seed, grammar.SAFE, valid=reference.resolve))), seed
+
+
+def test_resolve_steps_only_engines_with_gradients_on_every_rank() -> None:
+    resolved = reference.resolve(gan_case())
+    assert resolved is not None
+    assert [phase.steps for phase in resolved.phases] == [["d"], ["g"]]
+    frozen = copy.deepcopy(gan_case())
+    frozen.engine("g").optimizer = None
+    frozen.phases = frozen.phases[:1]
+    resolved = reference.resolve(frozen)
+    assert resolved is not None and resolved.phases[0].steps == ["d"]
+
+
+def test_resolve_refuses_a_backward_that_reaches_no_trained_engine() -> None:
+    case = gan_case()
+    case.phases[1].terms = [Term([Call("g", no_grad=True), Call("d", detach=True)], penalty=False)]
+    case.phases[1].toggle = True  # toggled to g: d's parameters need no gradient, g ran under no_grad
+    assert reference.resolve(case) is None
+
+
+def test_every_simplification_is_one_edit_smaller_and_valid_json() -> None:
+    case = grammar.generate(5, valid=reference.resolve)
+    seen = set()
+    for description, simpler in grammar.simplifications(case):
+        text = grammar.to_json(simpler)
+        assert text != grammar.to_json(case), description
+        assert grammar.to_json(grammar.from_json(text)) == text
+        seen.add(description.split(":")[0].split("[")[0])
+    assert any(name.startswith("drop phases") or name.startswith("drop") for name in seen)
+
+
+def expected(case: Case) -> reference.Result:
+    resolved = reference.resolve(case)
+    assert resolved is not None
+    return reference.reference(resolved)
+
+
+def as_ranks(result: reference.Result) -> list[dict]:
+    reads = [read.to_dict() for read in result.reads]
+    return [{"weights": result.weights, "reads": reads, "seconds": 0.0} for _ in range(2)]
+
+
+def test_the_comparison_flags_a_gradient_off_by_a_factor() -> None:
+    """A term weighted twice in the run being checked (a gradient counted twice) is a mismatch, at fp32 and bf16."""
+    case = gan_case()
+    case.read_before_step = True
+    right = expected(case)
+    doubled = copy.deepcopy(case)
+    doubled.phases[1].terms[0].weight = 2.0
+    wrong = as_ranks(expected(doubled))
+    assert outcome.compare(reference.resolve(case), right, as_ranks(right)).kind == "match"  # type: ignore[arg-type]
+    for precision in ("32-true", "bf16-mixed"):
+        case.precision = precision
+        result = outcome.compare(case, right, wrong)
+        assert result.kind == "mismatch" and result.worst > 1.0, result
+
+
+def test_the_comparison_flags_a_missing_hook_read() -> None:
+    case = gan_case()
+    case.read_before_step = True
+    right = expected(case)
+    ranks = as_ranks(right)
+    ranks[1]["reads"] = ranks[1]["reads"][:-1]
+    result = outcome.compare(case, right, ranks)
+    assert result.kind == "mismatch" and result.detail.startswith("reads:")
+
+
+def record(error_type: str, message: str, innermost: str) -> dict:
+    return {"type": error_type, "message": message, "frames": ["/x/tests/fuzz/program.py:1:f", innermost]}
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (
+            record(
+                "ValueError",
+                "`opt.step()` of engine 'g' was called with no gradient since its last step or `zero_grad()`: ...",
+                "/x/lightning_multids/optimizer.py:190:_refuse_empty_step",
+            ),
+            "documented",
+        ),
+        (record("KeyError", "0", "/x/deepspeed/runtime/zero/stage_1_and_2.py:1:f"), "undocumented"),
+        (record("AssertionError", "", "/x/lightning_multids/internals.py:1:f"), "undocumented"),
+    ],
+)
+def test_errors_are_documented_only_when_the_strategy_raised_its_own_message(error: dict, kind: str) -> None:
+    other_rank = record("RuntimeError", "[../gloo/transport/tcp/pair.cc:538] Connection closed by peer", "x:1:f")
+    result = outcome.from_errors([other_rank, error], timed_out=False)
+    assert result.kind == kind
+    assert outcome.from_errors([error], timed_out=True).kind == "hang"
+
+
+def test_signatures_come_from_the_strategys_raise_statements() -> None:
+    found = outcome.signatures()
+    assert any("was called with no gradient since its last step" in s for s in found)
+    assert any("reaches no trainable engine" in s for s in found)
+    assert all(len(s) >= 20 for s in found)
+
+
+def test_the_reference_reproduces_a_term_that_differs_per_rank() -> None:
+    """A ``data`` gate open on one rank only: the reference averages that rank's gradient with none (DDP)."""
+    case = gan_case()
+    case.phases = case.phases[:1]
+    case.phases[0].terms.append(Term([Call("d")], gate="data"))
+    gated = expected(case)
+    case.phases[0].terms[-1].gate = "always"
+    assert any(not torch.equal(gated.weights[k], v) for k, v in expected(case).weights.items())
