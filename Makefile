@@ -12,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all test-readme test-compat test-gpu pytest lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-generation bench-gpu clean
+.PHONY: install demo test test-all test-readme test-compat test-gpu pytest fuzz lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-generation bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ test: lint typecheck pytest
 
 pytest: $(STAMP)
 	$(PY) -m pytest tests
+
+# The differential fuzzer over a range of seeds (tests/fuzz): each seed's case trained on 2 CPU ranks and in plain
+# PyTorch, classified, failures shrunk; the report in outputs/fuzz/. `make test` runs a fixed slice of it.
+FUZZ_SEEDS ?= 0:200
+FUZZ_ARGS ?=
+fuzz: $(STAMP)
+	$(PY) -m tests.fuzz.fuzz --seeds $(FUZZ_SEEDS) --report outputs/fuzz/report-$(subst :,-,$(FUZZ_SEEDS)).json $(FUZZ_ARGS)
 
 test-readme: $(STAMP)
 	README_DOCTEST=1 $(PY) -m pytest tests/readme -rs

@@ -22,7 +22,7 @@ from tests.fuzz.grammar import WORLD_SIZE, Case
 from tests.fuzz.outcome import Outcome
 
 RUNNER = Path(__file__).with_name("run_case.py")
-PER_CASE = 30.0
+PER_CASE = 15.0
 """Seconds a launch's timeout grows by for each case after its first (a case fits in 1-5 s here)."""
 
 
