@@ -63,6 +63,7 @@ _CLASS_METHODS: dict[type, tuple[str, ...]] = {
     DeepSpeedZeroOptimizer: (
         "_release_ipg_buffers",
         "_release_preflattened_grad_buffers",
+        "_wait_for_offload_copies",
         "_use_compact_grad_partition_buffer",
         "get_flat_partition",
         "reduce_gradients",
@@ -235,6 +236,8 @@ def clear_gradients(engine: DeepSpeedEngine) -> None:
     """
     optimizer = engine.optimizer
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        if optimizer.cpu_offload:
+            _clear_offloaded_accumulation(optimizer)
         optimizer._release_preflattened_grad_buffers()
         for index in range(len(optimizer.bit16_groups)):
             optimizer.averaged_gradients[index] = None
@@ -247,6 +250,20 @@ def clear_gradients(engine: DeepSpeedEngine) -> None:
     elif optimizer is not None:
         optimizer.zero_grad(set_to_none=True)  # torch optimizer, or BF16/FP16_Optimizer: lp and hp grads
     engine.zero_grad()  # param.grad of every module parameter
+
+
+def _clear_offloaded_accumulation(optimizer: DeepSpeedZeroOptimizer) -> None:
+    """Drop what a ZeRO-1/2 optimizer with ``offload_optimizer`` accumulated in host memory since its last step.
+
+    Between steps it keeps each reached parameter's gradient in ``accumulated_grads_in_cpu`` and the parameter's id
+    in ``_offload_accumulated_param_ids``; ``step()`` applies every listed parameter's buffer and only ``step()``
+    resets the list. Left after ``zero_grad()``, a parameter not reached again before the step would get the cleared
+    gradient applied. The in-flight copies into those buffers are waited for first.
+    """
+    optimizer._wait_for_offload_copies()
+    optimizer._offload_accumulated_param_ids.clear()
+    for buffer in optimizer.accumulated_grads_in_cpu.values():
+        buffer.zero_()
 
 
 def clear_after_step(engine: DeepSpeedEngine) -> None:
@@ -355,11 +372,14 @@ def reduce_local_gradients(engine: DeepSpeedEngine) -> None:
 def local_gradient(param: torch.nn.Parameter) -> torch.Tensor:
     """A stage 0/1 parameter's accumulated, unreduced gradient, in fp32 (zeros if it has none).
 
-    ZeRO-1 may park it in ``grad_accum``; ``BF16_Optimizer`` (bf16 at stage 0) accumulates in ``_hp_grad``.
+    ``BF16_Optimizer`` (bf16 at stage 0, or at stage 1 with ``data_types.grad_accum_dtype: fp32``) accumulates each
+    backward's ``param.grad`` into the fp32 ``_hp_grad`` in its epilogue and clears ``param.grad`` in the next
+    prologue, so ``param.grad`` holds only the last backward's share: ``_hp_grad`` is read first. ZeRO-1 may park the
+    gradient in ``grad_accum``.
     """
-    grad = param.grad if param.grad is not None else getattr(param, "grad_accum", None)
+    grad = getattr(param, "_hp_grad", None)
     if grad is None:
-        grad = getattr(param, "_hp_grad", None)
+        grad = param.grad if param.grad is not None else getattr(param, "grad_accum", None)
     return torch.zeros_like(param, dtype=torch.float32) if grad is None else grad.detach().float().clone()
 
 
