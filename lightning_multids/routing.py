@@ -136,7 +136,10 @@ class Router:
 
     def _on_gradient(self, name: str, engine: DeepSpeedEngine, grad: torch.Tensor) -> torch.Tensor | None:
         route = self.current
-        if route is None or route.engines.get(name) is not engine:
+        if route is None:
+            _refuse_unrouted(name)
+            return None
+        if route.engines.get(name) is not engine:
             return None
         phases = route.entered.get(name) or route.enter(name)
         phases.pending = True
@@ -189,6 +192,32 @@ class Router:
             route.leave()
             if handle is not None:
                 handle.remove()
+
+
+def _refuse_unrouted(name: str) -> None:
+    """Raise if a backward outside ``manual_backward`` is about to accumulate a gradient of engine ``name``.
+
+    Called from the parameter's tensor hook. Such a backward (``loss.backward()``, ``torch.autograd.backward``) runs
+    no prologue or epilogue, and ZeRO's gradient hooks would reduce into state the next routed backward then trips
+    over; it is refused here, before the gradient reaches ``param.grad`` or ZeRO. ``torch.autograd.grad`` accumulates
+    nothing and passes. torch-private, read from torch 2.11-2.13: ``_current_autograd_node`` is the parameter's
+    gradient accumulator, and ``_will_engine_execute_node`` on it refuses to answer under ``autograd.grad``.
+    """
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return
+    try:
+        accumulates = torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # "... we are currently running autograd.grad()": nothing is accumulated
+        return
+    if accumulates:
+        raise RuntimeError(
+            f"A backward outside `self.manual_backward` reached the parameters of engine {name!r} (a plain "
+            "`loss.backward()` or `torch.autograd.backward(...)`). Under MultiDeepSpeedStrategy a backward that gives "
+            "an engine gradients must run through `self.manual_backward(loss)`, which runs DeepSpeed's reduction for "
+            "every engine it reaches: replace the call with `self.manual_backward(loss)`. For gradients with respect "
+            "to inputs only (a saliency map, a penalty), use `torch.autograd.grad(output, inputs)`."
+        )
 
 
 def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:
