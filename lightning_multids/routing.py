@@ -50,10 +50,14 @@ from lightning_multids.discovery import UNWALKED, Reach
 
 @dataclass
 class _Phases:
-    """Where one engine is in a routed backward: gradients not yet reduced, and nested graph tasks closed."""
+    """Where one engine is in a routed backward: gradients not yet reduced, and nested graph tasks closed.
+
+    ``task`` is the graph task whose gradients are pending.
+    """
 
     pending: bool = False
     ended: set[int] = field(default_factory=set)
+    task: int = -1
 
 
 @dataclass
@@ -139,8 +143,10 @@ class Router:
         if route is None or route.engines.get(name) is not engine:
             return None
         phases = route.entered.get(name) or route.enter(name)
-        phases.pending = True
         task = torch._C._current_graph_task_id()  # torch-private (2.11-2.13): which (nested) backward runs
+        if phases.pending and task != phases.task:  # a plain call's gradients, then a reentrant checkpoint's
+            _end_phase(engine, phases)
+        phases.pending, phases.task = True, task
         if task not in (route.root_task, -1) and task not in phases.ended:
             phases.ended.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_phase(engine, phases))
