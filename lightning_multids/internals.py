@@ -68,6 +68,7 @@ _CLASS_METHODS: dict[type, tuple[str, ...]] = {
         "get_flat_partition",
         "reduce_gradients",
         "average_tensor",
+        "setup_buckets",
     ),
     DeepSpeedZeroOptimizer_Stage3: ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",),
     DeepSpeedZeRoOffload: ("_register_deepspeed_module",),
@@ -224,6 +225,59 @@ def reduce_phase(engine: DeepSpeedEngine) -> None:
     """
     engine.allreduce_gradients()
     engine.optimizer.clear_backward_seen_flag()
+
+
+def fill_missing_gradients(engine: DeepSpeedEngine) -> None:
+    """Give each trainable parameter that holds no gradient a zero one, as DDP reduces for an unused parameter.
+
+    A gradient is held in ``param.grad`` or, at ZeRO-1/2 with ``grad_accum_dtype``, in ``grad_accum``. A ZeRO-3
+    parameter is partitioned after its backward (``param.data`` is empty): its whole-shape zero gradient is set
+    through ``.data``, as ZeRO-3 sets its gradients itself.
+    """
+    for param in engine.module.parameters():
+        if not param.requires_grad or param.grad is not None or getattr(param, "grad_accum", None) is not None:
+            continue
+        shape = full_shape(param)
+        if param.shape == shape:
+            param.grad = torch.zeros_like(param)
+        else:
+            param.grad = torch.zeros_like(param.data)
+            param.grad.data = torch.zeros(shape, dtype=param.dtype, device=param.device)
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
+        engine.optimizer.setup_buckets()  # what the first gradient hook of a step does; step() reduces through them
+
+
+def reduced_during_backward(engine: DeepSpeedEngine) -> bool:
+    """Whether a ZeRO-2/3 engine already reduced some gradient in the running backward (a full bucket).
+
+    ZeRO-2 and ZeRO-3 flag each parameter they reduce in ``params_already_reduced`` until the epilogue.
+    """
+    flags: Any = getattr(engine.optimizer, "params_already_reduced", None)
+    if isinstance(flags, dict):
+        return any(flags.values())
+    return flags is not None and any(flags)
+
+
+def take_back_bucketed_gradients(engine: DeepSpeedEngine) -> None:
+    """Move the gradients a ZeRO-2/3 engine holds in its reduction buckets, none reduced yet, back into ``param.grad``.
+
+    Each bucketed ``param.grad`` (``grad_accum`` at ZeRO-2 with ``grad_accum_dtype``) is a view into the bucket's
+    contiguous buffer (``reduce_independent_p_g_buckets_and_remove_grads``); it gets its own copy, and the buckets
+    (``ipg_buckets``: params, grads, element counts; ZeRO-2's ``extra_large_param_to_reduce``) are emptied, so that a
+    later reduction can bucket them again in another order.
+    """
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        for bucket in optimizer.ipg_buckets.values():
+            for grad in bucket.grads:
+                grad.data = grad.data.clone()
+            bucket.clear()
+        optimizer.extra_large_param_to_reduce.clear()
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        for bucket in optimizer.ipg_buckets.values():
+            for param in bucket.params:
+                param.grad.data = param.grad.data.clone()
+            bucket.clear_params()
 
 
 def clear_gradients(engine: DeepSpeedEngine) -> None:
