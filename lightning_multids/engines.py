@@ -122,11 +122,15 @@ class EngineSet:
     def backward(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
         """Route the body's backward of the yielded (loss-scaled) tensor through every engine ``loss`` reaches.
 
-        Raises if ``loss`` reaches no trainable engine (it would train nothing), after the backward. An
-        exception in the backward leaves the engines it reached clean, without their gradients of this step.
+        Raises if ``loss`` reaches no trainable engine (it would train nothing), after the backward; with several
+        ranks, only if it reaches none on any rank (the ranks agree after each backward, see
+        :func:`~lightning_multids.routing.agree`). An exception in the backward leaves the engines it reached
+        clean, without their gradients of this step.
         """
         if loss.grad_fn is None:
-            self._refuse_untrained()
+            if not _several_ranks():
+                self._refuse_untrained()
+            loss = loss.detach() + torch.zeros((), device=loss.device, requires_grad=True)  # agree with the others
         trainable = self.trainable_engines
         scales = {name: internals.loss_scale(engine) for name, engine in trainable.items()}
         factors: dict[str, float] = {}
@@ -202,3 +206,7 @@ class EngineSet:
                 "manual optimization: in `training_step`, call `self.manual_backward(loss)` and then `opt.step()` "
                 "and `opt.zero_grad()` for each optimizer from `self.optimizers()`."
             )
+
+
+def _several_ranks() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1

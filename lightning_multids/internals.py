@@ -63,10 +63,12 @@ _CLASS_METHODS: dict[type, tuple[str, ...]] = {
     DeepSpeedZeroOptimizer: (
         "_release_ipg_buffers",
         "_release_preflattened_grad_buffers",
+        "_wait_for_offload_copies",
         "_use_compact_grad_partition_buffer",
         "get_flat_partition",
         "reduce_gradients",
         "average_tensor",
+        "setup_buckets",
     ),
     DeepSpeedZeroOptimizer_Stage3: ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",),
     DeepSpeedZeRoOffload: ("_register_deepspeed_module",),
@@ -225,6 +227,59 @@ def reduce_phase(engine: DeepSpeedEngine) -> None:
     engine.optimizer.clear_backward_seen_flag()
 
 
+def fill_missing_gradients(engine: DeepSpeedEngine) -> None:
+    """Give each trainable parameter that holds no gradient a zero one, as DDP reduces for an unused parameter.
+
+    A gradient is held in ``param.grad`` or, at ZeRO-1/2 with ``grad_accum_dtype``, in ``grad_accum``. A ZeRO-3
+    parameter is partitioned after its backward (``param.data`` is empty): its whole-shape zero gradient is set
+    through ``.data``, as ZeRO-3 sets its gradients itself.
+    """
+    for param in engine.module.parameters():
+        if not param.requires_grad or param.grad is not None or getattr(param, "grad_accum", None) is not None:
+            continue
+        shape = full_shape(param)
+        if param.shape == shape:
+            param.grad = torch.zeros_like(param)
+        else:
+            param.grad = torch.zeros_like(param.data)
+            param.grad.data = torch.zeros(shape, dtype=param.dtype, device=param.device)
+    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
+        engine.optimizer.setup_buckets()  # what the first gradient hook of a step does; step() reduces through them
+
+
+def reduced_during_backward(engine: DeepSpeedEngine) -> bool:
+    """Whether a ZeRO-2/3 engine already reduced some gradient in the running backward (a full bucket).
+
+    ZeRO-2 and ZeRO-3 flag each parameter they reduce in ``params_already_reduced`` until the epilogue.
+    """
+    flags: Any = getattr(engine.optimizer, "params_already_reduced", None)
+    if isinstance(flags, dict):
+        return any(flags.values())
+    return flags is not None and any(flags)
+
+
+def take_back_bucketed_gradients(engine: DeepSpeedEngine) -> None:
+    """Move the gradients a ZeRO-2/3 engine holds in its reduction buckets, none reduced yet, back into ``param.grad``.
+
+    Each bucketed ``param.grad`` (``grad_accum`` at ZeRO-2 with ``grad_accum_dtype``) is a view into the bucket's
+    contiguous buffer (``reduce_independent_p_g_buckets_and_remove_grads``); it gets its own copy, and the buckets
+    (``ipg_buckets``: params, grads, element counts; ZeRO-2's ``extra_large_param_to_reduce``) are emptied, so that a
+    later reduction can bucket them again in another order.
+    """
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        for bucket in optimizer.ipg_buckets.values():
+            for grad in bucket.grads:
+                grad.data = grad.data.clone()
+            bucket.clear()
+        optimizer.extra_large_param_to_reduce.clear()
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        for bucket in optimizer.ipg_buckets.values():
+            for param in bucket.params:
+                param.grad.data = param.grad.data.clone()
+            bucket.clear_params()
+
+
 def clear_gradients(engine: DeepSpeedEngine) -> None:
     """Clear every gradient ``engine`` holds for its next step (local, accumulated and reduced), as ``step()`` does.
 
@@ -235,6 +290,8 @@ def clear_gradients(engine: DeepSpeedEngine) -> None:
     """
     optimizer = engine.optimizer
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        if optimizer.cpu_offload:
+            _clear_offloaded_accumulation(optimizer)
         optimizer._release_preflattened_grad_buffers()
         for index in range(len(optimizer.bit16_groups)):
             optimizer.averaged_gradients[index] = None
@@ -247,6 +304,20 @@ def clear_gradients(engine: DeepSpeedEngine) -> None:
     elif optimizer is not None:
         optimizer.zero_grad(set_to_none=True)  # torch optimizer, or BF16/FP16_Optimizer: lp and hp grads
     engine.zero_grad()  # param.grad of every module parameter
+
+
+def _clear_offloaded_accumulation(optimizer: DeepSpeedZeroOptimizer) -> None:
+    """Drop what a ZeRO-1/2 optimizer with ``offload_optimizer`` accumulated in host memory since its last step.
+
+    Between steps it keeps each reached parameter's gradient in ``accumulated_grads_in_cpu`` and the parameter's id
+    in ``_offload_accumulated_param_ids``; ``step()`` applies every listed parameter's buffer and only ``step()``
+    resets the list. Left after ``zero_grad()``, a parameter not reached again before the step would get the cleared
+    gradient applied. The in-flight copies into those buffers are waited for first.
+    """
+    optimizer._wait_for_offload_copies()
+    optimizer._offload_accumulated_param_ids.clear()
+    for buffer in optimizer.accumulated_grads_in_cpu.values():
+        buffer.zero_()
 
 
 def clear_after_step(engine: DeepSpeedEngine) -> None:
@@ -355,11 +426,14 @@ def reduce_local_gradients(engine: DeepSpeedEngine) -> None:
 def local_gradient(param: torch.nn.Parameter) -> torch.Tensor:
     """A stage 0/1 parameter's accumulated, unreduced gradient, in fp32 (zeros if it has none).
 
-    ZeRO-1 may park it in ``grad_accum``; ``BF16_Optimizer`` (bf16 at stage 0) accumulates in ``_hp_grad``.
+    ``BF16_Optimizer`` (bf16 at stage 0, or at stage 1 with ``data_types.grad_accum_dtype: fp32``) accumulates each
+    backward's ``param.grad`` into the fp32 ``_hp_grad`` in its epilogue and clears ``param.grad`` in the next
+    prologue, so ``param.grad`` holds only the last backward's share: ``_hp_grad`` is read first. ZeRO-1 may park the
+    gradient in ``grad_accum``.
     """
-    grad = param.grad if param.grad is not None else getattr(param, "grad_accum", None)
+    grad = getattr(param, "_hp_grad", None)
     if grad is None:
-        grad = getattr(param, "_hp_grad", None)
+        grad = param.grad if param.grad is not None else getattr(param, "grad_accum", None)
     return torch.zeros_like(param, dtype=torch.float32) if grad is None else grad.detach().float().clone()
 
 

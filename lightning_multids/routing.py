@@ -50,10 +50,21 @@ from lightning_multids.discovery import UNWALKED, Reach
 
 @dataclass
 class _Phases:
-    """Where one engine is in a routed backward: gradients not yet reduced, and nested graph tasks closed."""
+    """Where one engine is in a routed backward: gradients not yet reduced, and nested graph tasks closed.
+
+    ``task`` is the graph task whose gradients are pending; ``reduced`` says that some were reduced before the
+    epilogue (a phase closed); ``arrived`` holds the index of each parameter whose gradient arrived.
+    """
 
     pending: bool = False
     ended: set[int] = field(default_factory=set)
+    task: int = -1
+    reduced: bool = False
+    arrived: set[int] = field(default_factory=set)
+
+    def signature(self) -> int:
+        """A number that differs, but for a negligible chance, between two different sets of arrived parameters."""
+        return sum((index + 1) * 2654435761 % 2**31 for index in self.arrived)
 
 
 @dataclass
@@ -81,15 +92,39 @@ class Route:
     def finish(self) -> None:
         """Run the epilogue of every entered engine, in name order, after a backward that completed.
 
+        With several ranks, they first agree on what each one's backward reached (:func:`agree`): an engine
+        reached on some ranks only, or whose parameters differ between ranks, is entered where it was not
+        and evened out (:meth:`_even_out`) so that every rank runs the same reductions.
         At ZeRO-2, when every gradient was already reduced at the end of a nested phase (an engine wholly
         inside a reentrant checkpoint), the epilogue runs without its reduction: ZeRO-2 cannot reduce an
         empty bucket.
         """
+        uneven = agree(self)
         for name in sorted(self.entered):
             engine, phases = self.engines[name], self.entered[name]
+            if name in uneven:
+                self._even_out(name, engine, phases)
+                continue
             nothing_left = bool(phases.ended) and not phases.pending
             stage2_done = nothing_left and engine.zero_optimization_stage() == 2 and not internals.in_no_sync(engine)
             internals.end_backward(engine, reduce=not stage2_done)
+
+    def _even_out(self, name: str, engine: DeepSpeedEngine, phases: _Phases) -> None:
+        """End the backward of an engine whose reach differs between ranks, as DDP does: zeros where unreached.
+
+        Every parameter without a gradient gets a zero one. At ZeRO-0/1 (and inside ``no_sync``) nothing is
+        reduced before ``step()`` (or the block's end), which then reduces every parameter on every rank. At
+        ZeRO-2/3 the buckets, filled in the order the gradients arrived on each rank, are emptied back into the
+        gradients, which are then reduced in the engine's own parameter order, with DeepSpeed's flush.
+        """
+        if not engine.zero_optimization_partition_gradients() or internals.in_no_sync(engine):
+            internals.fill_missing_gradients(engine)
+            internals.end_backward(engine)
+            return
+        internals.take_back_bucketed_gradients(engine)
+        internals.fill_missing_gradients(engine)
+        internals.end_backward(engine, reduce=False)
+        internals.reduce_local_gradients(engine)
 
     def abandon(self) -> None:
         """After an exception: reset every entered engine and drop its gradients of this step (no collective)."""
@@ -129,18 +164,24 @@ class Router:
           the end of the outer graph task, so the router closes each nested phase itself.
         """
         return [
-            param.register_hook(functools.partial(self._on_gradient, name, engine))
-            for param in engine.module.parameters()
+            param.register_hook(functools.partial(self._on_gradient, name, engine, index))
+            for index, param in enumerate(engine.module.parameters())
             if param.requires_grad
         ]
 
-    def _on_gradient(self, name: str, engine: DeepSpeedEngine, grad: torch.Tensor) -> torch.Tensor | None:
+    def _on_gradient(self, name: str, engine: DeepSpeedEngine, index: int, grad: torch.Tensor) -> torch.Tensor | None:
         route = self.current
-        if route is None or route.engines.get(name) is not engine:
+        if route is None:
+            _refuse_unrouted(name)
+            return None
+        if route.engines.get(name) is not engine:
             return None
         phases = route.entered.get(name) or route.enter(name)
-        phases.pending = True
         task = torch._C._current_graph_task_id()  # torch-private (2.11-2.13): which (nested) backward runs
+        if phases.pending and task != phases.task:  # a plain call's gradients, then a reentrant checkpoint's
+            _end_phase(engine, phases)
+        phases.pending, phases.task = True, task
+        phases.arrived.add(index)
         if task not in (route.root_task, -1) and task not in phases.ended:
             phases.ended.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_phase(engine, phases))
@@ -191,6 +232,32 @@ class Router:
                 handle.remove()
 
 
+def _refuse_unrouted(name: str) -> None:
+    """Raise if a backward outside ``manual_backward`` is about to accumulate a gradient of engine ``name``.
+
+    Called from the parameter's tensor hook. Such a backward (``loss.backward()``, ``torch.autograd.backward``) runs
+    no prologue or epilogue, and ZeRO's gradient hooks would reduce into state the next routed backward then trips
+    over; it is refused here, before the gradient reaches ``param.grad`` or ZeRO. ``torch.autograd.grad`` accumulates
+    nothing and passes. torch-private, read from torch 2.11-2.13: ``_current_autograd_node`` is the parameter's
+    gradient accumulator, and ``_will_engine_execute_node`` on it refuses to answer under ``autograd.grad``.
+    """
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return
+    try:
+        accumulates = torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # "... we are currently running autograd.grad()": nothing is accumulated
+        return
+    if accumulates:
+        raise RuntimeError(
+            f"A backward outside `self.manual_backward` reached the parameters of engine {name!r} (a plain "
+            "`loss.backward()` or `torch.autograd.backward(...)`). Under MultiDeepSpeedStrategy a backward that gives "
+            "an engine gradients must run through `self.manual_backward(loss)`, which runs DeepSpeed's reduction for "
+            "every engine it reaches: replace the call with `self.manual_backward(loss)`. For gradients with respect "
+            "to inputs only (a saliency map, a penalty), use `torch.autograd.grad(output, inputs)`."
+        )
+
+
 def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:
     """At the end of a nested graph task: reduce-scatter what arrived (ZeRO-2/3) before more arrives.
 
@@ -202,4 +269,50 @@ def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:
         return
     phases.pending = False
     if engine.zero_optimization_partition_gradients():
+        phases.reduced = True
         internals.reduce_phase(engine)
+
+
+def agree(route: Route) -> set[str]:
+    """Agree across ranks on what each rank's backward reached; enter the engines reached elsewhere only.
+
+    One all-reduce (MAX) of 6 integers per trainable engine, after every backward when there are several ranks:
+    whether this rank entered it, which of its parameters got a gradient, and whether it reduced some before
+    the epilogue; each with its negative, which gives the minimum over ranks too. Returns the engines whose
+    reach differs between ranks (entered on every rank now).
+
+    Raises:
+        RuntimeError: on every rank, for a ZeRO-2/3 engine whose reach differs and that already reduced
+            gradients during the backward, which cannot be evened out.
+    """
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1 or not route.engines:
+        return set()
+    names = sorted(route.engines)
+    local = []
+    for name in names:
+        phases = route.entered.get(name)
+        entered, signature = (1, phases.signature()) if phases else (0, 0)
+        reduced = int(phases is not None and (phases.reduced or internals.reduced_during_backward(route.engines[name])))
+        local += [entered, -entered, signature, -signature, reduced, -reduced]
+    device = next(iter(route.engines.values())).device
+    state = torch.tensor(local, dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(state, op=torch.distributed.ReduceOp.MAX)
+    table = state.view(len(names), 6).tolist()
+    rows = dict(zip(names, table, strict=True))
+    uneven = {name for name, row in rows.items() if row[0] == 1 and (row[0] + row[1] or row[2] + row[3])}
+    for name in sorted(uneven):
+        if rows[name][4]:
+            _refuse_reduced_uneven(name)
+    for name in sorted(uneven - set(route.entered)):
+        route.enter(name)
+    return uneven
+
+
+def _refuse_reduced_uneven(name: str) -> None:
+    raise RuntimeError(
+        f"The loss reached engine {name!r} (or some of its parameters) on some ranks and not on others, and ZeRO-2/3 "
+        f"had already reduced part of {name!r}'s gradients during the backward (its bucket filled, or a reentrant "
+        "activation checkpoint closed a phase), which the other ranks did not match. Run such backwards inside "
+        f"`self.trainer.strategy.no_sync({name!r})` (gradients stay local until the block ends), or raise "
+        f"`zero_optimization.reduce_bucket_size` of {name!r} above its parameter count."
+    )

@@ -265,9 +265,20 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Backpropagate ``closure_loss`` inside the prologue/epilogue of every engine it reaches."""
+        """Backpropagate ``closure_loss`` inside the prologue/epilogue of every engine it reaches.
+
+        The steps and hooks of Lightning's ``Strategy.backward``, with only the backward itself routed: the
+        engines' epilogues (ZeRO-2/3 reduce there) have run when ``on_after_backward`` is called, so a hook or
+        callback that reads ``full_gradients`` there sees this backward's gradients, as under ``DDPStrategy``.
+        """
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         with self._engine_set.backward(closure_loss) as loss:
-            super().backward(loss, optimizer, *args, **kwargs)
+            self.precision_plugin.backward(loss, module, optimizer, *args, **kwargs)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
         return closure_loss
 
     @contextmanager

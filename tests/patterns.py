@@ -15,7 +15,17 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-PATTERNS = ("gan", "gan_zero_first", "gan_toggle", "shared", "accumulate", "clipped", "interrupted", "step_interrupted")
+PATTERNS = (
+    "gan",
+    "gan_zero_first",
+    "gan_toggle",
+    "shared",
+    "accumulate",
+    "clipped",
+    "interrupted",
+    "step_interrupted",
+    "zero_grad_unreached",
+)
 CLIP = 0.05
 CLIPPING = ("clipped", "step_interrupted")
 
@@ -321,6 +331,29 @@ def step_interrupted(
     opt_d.zero_grad()
 
 
+def zero_grad_unreached(
+    G: nn.Module,
+    D: nn.Module,
+    batch: torch.Tensor,
+    opt_g: Any,
+    opt_d: Any,
+    backward: Backward,
+    toggle: Toggle | None = None,
+) -> None:
+    """G's loss reaches all of D; ``opt_d.zero_grad()`` discards that; D's loss then reaches only D's first layer.
+
+    D's last layer gets no gradient after the clear, so its step must leave it where it is (as in PyTorch).
+    """
+    real, z = split(batch)
+    backward((D(G(z)) - 0.5).pow(2).mean())
+    opt_g.step()
+    opt_g.zero_grad()
+    opt_d.zero_grad()
+    backward(D[0](real).pow(2).mean() + D[0](G(z).detach()).tanh().mean())
+    opt_d.step()
+    opt_d.zero_grad()
+
+
 STEPS: dict[str, Callable[..., None]] = {
     "gan": gan,
     "gan_zero_first": gan_zero_first,
@@ -330,6 +363,7 @@ STEPS: dict[str, Callable[..., None]] = {
     "clipped": clipped,
     "interrupted": interrupted,
     "step_interrupted": step_interrupted,
+    "zero_grad_unreached": zero_grad_unreached,
 }
 
 

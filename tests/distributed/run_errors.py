@@ -79,6 +79,30 @@ def clears_before_step(module: GAN, batch: torch.Tensor) -> None:
     opt_g.step()
 
 
+def plain_backward(module: GAN, batch: torch.Tensor) -> None:
+    """A penalty term backpropagated with ``loss.backward()`` beside ``manual_backward``."""
+    real, z = patterns.split(batch)
+    module.discriminator(real).pow(2).mean().backward()
+
+
+def autograd_backward(module: GAN, batch: torch.Tensor) -> None:
+    real, z = patterns.split(batch)
+    torch.autograd.backward([module.discriminator(module.generator(z)).mean()])
+
+
+def gradients_by_autograd_grad(module: GAN, batch: torch.Tensor) -> None:
+    """``torch.autograd.grad`` with respect to an engine's parameters and to the inputs accumulates nothing: allowed."""
+    real, z = patterns.split(batch)
+    opt_g, opt_d = module.optimizers()
+    torch.autograd.grad(module.discriminator(real).mean(), list(module.discriminator.parameters()))
+    real = real.clone().requires_grad_()
+    (penalty,) = torch.autograd.grad(module.discriminator(real).sum(), real, create_graph=True)
+    module.manual_backward(penalty.pow(2).mean() + module.discriminator(module.generator(z)).mean())
+    for opt in (opt_g, opt_d):
+        opt.step()
+        opt.zero_grad()
+
+
 def nan_in_discriminator(module: GAN, batch: torch.Tensor) -> None:
     """gan_zero_first, with a NaN in the discriminator's loss on rank 1 from the second batch on."""
     opt_g, opt_d = module.optimizers()
@@ -151,6 +175,9 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     ),
     "ema_of_another_shape": (lambda: GAN(returns_loss, "generator"), {"ema": {"discriminator": ("generator", 0.9)}}),
     "ema_that_is_trained": (lambda: GAN(returns_loss, "generator"), {"ema": {"generator": ("discriminator", 0.9)}}),
+    **{f"plain_backward_zero{stage}": (lambda: GAN(plain_backward), {"stage": stage}) for stage in range(4)},
+    "autograd_backward": (lambda: GAN(autograd_backward), {"stage": 3}),
+    "autograd_grad_allowed": (lambda: GAN(gradients_by_autograd_grad), {"stage": 2}),
 }
 
 
@@ -163,7 +190,7 @@ def main() -> None:
         trainer = cpu_trainer(MultiDeepSpeedStrategy(**kwargs), enable_checkpointing=False, **options)
         try:
             trainer.fit(make_module())
-        except ValueError as err:
+        except (ValueError, RuntimeError) as err:
             print(f"RESULT {name}: {err}".replace("\n", " "), flush=True)
         else:
             print(f"RESULT {name}: no error", flush=True)

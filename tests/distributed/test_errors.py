@@ -32,6 +32,13 @@ EXPECTED = {
     r"DeepSpeedCPUAdam\(self.generator.parameters\(\), ...\).*zero_force_ds_cpu_optimizer",
     "ema_of_another_shape": r"EMA engine 'discriminator' cannot average 'generator': their parameters differ.*deepcopy",
     "ema_that_is_trained": r"EMA engine 'generator' \(`ema=`\) has an optimizer.*stop returning an optimizer over",
+    **{
+        f"plain_backward_zero{stage}": r"backward outside `self.manual_backward` reached the parameters of engine "
+        r"'discriminator'.*replace the call with `self.manual_backward\(loss\)`"
+        for stage in range(4)
+    },
+    "autograd_backward": r"outside `self.manual_backward` reached the parameters of engine '(generator|discriminator)'",
+    "autograd_grad_allowed": r"^no error$",
 }
 
 

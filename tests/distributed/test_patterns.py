@@ -112,7 +112,7 @@ def test_gan_with_adam_over_many_steps_matches_pytorch(tmp_path: Path, stage: in
 def test_offloaded_optimizer_states_train_as_plain_pytorch(tmp_path: Path, stage: int) -> None:
     """``offload_optimizer`` on both engines: Adam steps on fp32 partitions in host memory, to PyTorch's weights."""
     steps = 6
-    names = ("gan", "gan_zero_first")
+    names = ("gan", "gan_zero_first", "zero_grad_unreached")  # the last: zero_grad() must also clear host buffers
     results = train(tmp_path, stage, "adam", steps, "32-true", *(f"{name}+offload" for name in names))
     for name in names:
         result = results[f"{name}+offload"]
