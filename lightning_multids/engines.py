@@ -106,7 +106,8 @@ class EngineSet:
                 f"`full_gradients({name!r})`: there is no trainable engine {name!r} now. Trainable engines exist "
                 f"during fit: {sorted(o.name for o in self.optimizers)}."
             )
-        return full_gradients(trainable[name], name)
+        present = any(o.has_gradients for o in self.optimizers if o.name == name)
+        return full_gradients(trainable[name], name, present)
 
     def saved_names(self, save_frozen: bool) -> list[str]:
         """The engines a checkpoint holds: the trainable ones, the EMA engines, and the frozen ones if asked."""

@@ -43,15 +43,19 @@ def no_sync(engines: Mapping[str, DeepSpeedEngine]) -> Iterator[None]:
         internals.reduce_local_gradients(engines[name])
 
 
-def full_gradients(engine: DeepSpeedEngine, name: str) -> dict[str, torch.Tensor]:
+def full_gradients(engine: DeepSpeedEngine, name: str, present: bool = True) -> dict[str, torch.Tensor]:
     """Each trainable parameter's gradient, whole and averaged over the ranks, between a backward and ``step()``.
 
     What one process of plain PyTorch on the global batch holds in ``param.grad`` (before the optimizer's
     own loss-scale division, which is undone here for fp16). A collective call: every rank, same engines,
     same order. Keys are the parameter names within the engine's module. Stage 0/1 hold local gradients,
     all-reduced here; stage 2/3 hold reduced partitions, gathered with DeepSpeed's ``safe_get_full_grad``.
+    With ``present`` False (no backward reached the engine on any rank since its last step or ``zero_grad``;
+    the ranks agree on that after every backward) the gradients are zeros, with no collective.
     """
     params = {key: param for key, param in engine.module.named_parameters() if param.requires_grad}
+    if not present:
+        return {key: torch.zeros(internals.full_shape(param), dtype=torch.float32, device=param.device) for key, param in params.items()}
     if engine.zero_optimization_partition_gradients():
         grads = internals.gathered_gradients(engine, name, params)
     else:

@@ -39,6 +39,8 @@ class Reader(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt_g, opt_d = self.optimizers()
         real, z = patterns.split(batch)
+        if batch_idx == 0:  # no backward has reached the engines yet: zeros
+            self.read.update(read_all(self.trainer.strategy, "before."))
         for _ in range(self.micro):
             loss = (self.discriminator(self.generator(z)) - 0.3).pow(2).mean() + self.discriminator(real).pow(2).mean()
             self.manual_backward(loss / self.micro)

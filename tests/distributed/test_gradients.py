@@ -40,6 +40,8 @@ def test_full_gradients_match_pytorch(tmp_path: Path, stage: int, precision: str
     read = torch.load(out)
     assert_read_as_pytorch(read, precision)
     assert "no trainable engine 'critic'" in read["error"]
+    for key, grad in pytorch_gradients().items():  # read before any backward reached the engines
+        assert torch.equal(read[f"before.{key}"], torch.zeros_like(grad)), key
 
 
 def test_full_gradients_refuses_zero2_with_an_fp32_accumulator(tmp_path: Path) -> None:
