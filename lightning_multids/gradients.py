@@ -55,7 +55,10 @@ def full_gradients(engine: DeepSpeedEngine, name: str, present: bool = True) -> 
     """
     params = {key: param for key, param in engine.module.named_parameters() if param.requires_grad}
     if not present:
-        return {key: torch.zeros(internals.full_shape(param), dtype=torch.float32, device=param.device) for key, param in params.items()}
+        return {
+            key: torch.zeros(internals.full_shape(param), dtype=torch.float32, device=param.device)
+            for key, param in params.items()
+        }
     if engine.zero_optimization_partition_gradients():
         grads = internals.gathered_gradients(engine, name, params)
     else:
