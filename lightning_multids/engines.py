@@ -7,6 +7,7 @@ between, the strategy's hooks call it: a backward (:meth:`EngineSet.backward`), 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -143,13 +144,32 @@ class EngineSet:
         with self.router.routed(loss, trainable, reach, factors) as route:
             try:
                 yield loss * scale if scale != 1.0 else loss
-            except BaseException:
+            except BaseException as error:
                 self._mark_gradients(route.entered, False)  # routed() drops them
+                self._explain_released_weights(error)
                 raise
         if not route.entered:
             self._refuse_untrained()
         self.backward_calls += 1
         self._mark_gradients(route.entered, True)
+
+    def _explain_released_weights(self, error: BaseException) -> None:
+        """Raise an error that names the cause when a backward met a ZeRO-3 weight already partitioned again.
+
+        A gradient penalty (``torch.autograd.grad(..., create_graph=True)``) records a second backward that uses
+        the weights themselves; ZeRO-3 gathers weights only around its submodules' own forward and backward, so
+        when that second backward runs they are partitioned (empty) and torch fails on their shape.
+        """
+        zero3 = sorted(name for name, engine in self.engines.items() if engine.zero_optimization_stage() == 3)
+        if not zero3 or not isinstance(error, RuntimeError) or not _RELEASED_WEIGHT.search(str(error)):
+            return
+        raise RuntimeError(
+            f"The backward met a partitioned ZeRO-3 weight ({error}). This happens when the loss holds a gradient "
+            f"penalty (`torch.autograd.grad(..., create_graph=True)`) through a ZeRO-3 engine ({', '.join(zero3)}): "
+            "ZeRO-3 gathers an engine's weights only around its own forward and backward, not for the penalty's "
+            "second backward. Give the engines the penalty runs through ZeRO-0/1/2 (`engine_configs={name: "
+            '{"zero_optimization": {"stage": 2}}}`).'
+        ) from error
 
     def _mark_gradients(self, names: Collection[str], present: bool) -> None:
         for optimizer in self.optimizers:
@@ -207,6 +227,10 @@ class EngineSet:
                 "manual optimization: in `training_step`, call `self.manual_backward(loss)` and then `opt.step()` "
                 "and `opt.zero_grad()` for each optimizer from `self.optimizers()`."
             )
+
+
+_RELEASED_WEIGHT = re.compile(r"must be a matrix|\(0\)|\[0\]")
+"""How torch reports a ZeRO-3 weight partitioned to an empty tensor where an operation needs it whole."""
 
 
 def _several_ranks() -> bool:

@@ -103,6 +103,14 @@ def gradients_by_autograd_grad(module: GAN, batch: torch.Tensor) -> None:
         opt.zero_grad()
 
 
+def penalty_only(module: GAN, batch: torch.Tensor) -> None:
+    """WGAN-GP's gradient penalty of the discriminator alone (its second backward needs D's weights whole)."""
+    real, _ = patterns.split(batch)
+    real = real.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(module.discriminator(real).sum(), real, create_graph=True)
+    module.manual_backward((grad.pow(2).sum(1) - 1).pow(2).mean())
+
+
 def nan_in_discriminator(module: GAN, batch: torch.Tensor) -> None:
     """gan_zero_first, with a NaN in the discriminator's loss on rank 1 from the second batch on."""
     opt_g, opt_d = module.optimizers()
@@ -178,6 +186,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     **{f"plain_backward_zero{stage}": (lambda: GAN(plain_backward), {"stage": stage}) for stage in range(4)},
     "autograd_backward": (lambda: GAN(autograd_backward), {"stage": 3}),
     "autograd_grad_allowed": (lambda: GAN(gradients_by_autograd_grad), {"stage": 2}),
+    "penalty_through_zero3": (lambda: GAN(penalty_only), {"stage": 3}),
 }
 
 

@@ -39,6 +39,8 @@ EXPECTED = {
     },
     "autograd_backward": r"outside `self.manual_backward` reached the parameters of engine '(generator|discriminator)'",
     "autograd_grad_allowed": r"^no error$",
+    "penalty_through_zero3": r"partitioned ZeRO-3 weight.*gradient penalty.*ZeRO-3 engine \(discriminator, generator\)"
+    r".*Give the engines the penalty runs through ZeRO-0/1/2",
 }
 
 
