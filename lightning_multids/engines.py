@@ -107,8 +107,16 @@ class EngineSet:
                 f"`full_gradients({name!r})`: there is no trainable engine {name!r} now. Trainable engines exist "
                 f"during fit: {sorted(o.name for o in self.optimizers)}."
             )
+        engine = trainable[name]
+        if internals.in_no_sync(engine) and engine.zero_optimization_partition_gradients():
+            stage = engine.zero_optimization_stage()
+            raise RuntimeError(
+                f"`full_gradients({name!r})` inside `strategy.no_sync(...)`: the ZeRO-{stage} "
+                f"engine {name!r} keeps the block's gradients on each rank, unreduced, until the block ends. Read "
+                "them after the `with` block."
+            )
         present = any(o.has_gradients for o in self.optimizers if o.name == name)
-        return full_gradients(trainable[name], name, present)
+        return full_gradients(engine, name, present)
 
     def saved_names(self, save_frozen: bool) -> list[str]:
         """The engines a checkpoint holds: the trainable ones, the EMA engines, and the frozen ones if asked."""

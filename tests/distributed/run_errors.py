@@ -111,6 +111,13 @@ def penalty_only(module: GAN, batch: torch.Tensor) -> None:
     module.manual_backward((grad.pow(2).sum(1) - 1).pow(2).mean())
 
 
+def reads_inside_no_sync(module: GAN, batch: torch.Tensor) -> None:
+    real, z = patterns.split(batch)
+    with module.trainer.strategy.no_sync():
+        module.manual_backward(module.discriminator(module.generator(z)).mean())
+        module.trainer.strategy.full_gradients("discriminator")
+
+
 def nan_in_discriminator(module: GAN, batch: torch.Tensor) -> None:
     """gan_zero_first, with a NaN in the discriminator's loss on rank 1 from the second batch on."""
     opt_g, opt_d = module.optimizers()
@@ -187,6 +194,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "autograd_backward": (lambda: GAN(autograd_backward), {"stage": 3}),
     "autograd_grad_allowed": (lambda: GAN(gradients_by_autograd_grad), {"stage": 2}),
     "penalty_through_zero3": (lambda: GAN(penalty_only), {"stage": 3}),
+    "full_gradients_in_no_sync": (lambda: GAN(reads_inside_no_sync), {"stage": 2}),
 }
 
 

@@ -41,6 +41,8 @@ EXPECTED = {
     "autograd_grad_allowed": r"^no error$",
     "penalty_through_zero3": r"partitioned ZeRO-3 weight.*gradient penalty.*ZeRO-3 engine \(discriminator, generator\)"
     r".*Give the engines the penalty runs through ZeRO-0/1/2",
+    "full_gradients_in_no_sync": r"`full_gradients\('discriminator'\)` inside `strategy.no_sync\(...\)`: the ZeRO-2 "
+    r"engine .*Read them after the `with` block",
 }
 
 
