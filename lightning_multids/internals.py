@@ -299,6 +299,8 @@ def clear_gradients(engine: DeepSpeedEngine) -> None:
         optimizer.micro_step_id = _initial_micro_step_id()
         optimizer.zero_grad(set_to_none=True)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        for param in engine.module.parameters():  # whole local ones from `no_sync`: ZeRO-3's zero_grad() fails on CPU
+            param.grad = None
         optimizer.zero_grad(set_to_none=True)
         optimizer.grad_partitions_flat_buffer.zero_()
     elif optimizer is not None:

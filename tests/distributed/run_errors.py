@@ -194,7 +194,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "autograd_backward": (lambda: GAN(autograd_backward), {"stage": 3}),
     "autograd_grad_allowed": (lambda: GAN(gradients_by_autograd_grad), {"stage": 2}),
     "penalty_through_zero3": (lambda: GAN(penalty_only), {"stage": 3}),
-    "full_gradients_in_no_sync": (lambda: GAN(reads_inside_no_sync), {"stage": 2}),
+    **{f"full_gradients_in_no_sync_zero{s}": (lambda: GAN(reads_inside_no_sync), {"stage": s}) for s in (2, 3)},
 }
 
 
