@@ -51,6 +51,26 @@ KNOWN_DEFECTS: dict[int, tuple[str, Callable[[Case], bool]]] = {
 """The defects known on 2026-11-24, each with the feature of a case that can show it (a hint, not a proof)."""
 
 
+def _uneven_at_zero3(case: Case) -> bool:
+    stages = {engine.name: engine.stage for engine in case.engines} | (
+        {case.ema.average: case.ema.stage} if case.ema else {}
+    )
+    gated = [term for phase in case.phases for term in phase.terms if term.gate == "data"]
+    return any(stages[call.engine] == 3 for term in gated for call in term.calls)
+
+
+LIMITATIONS: dict[str, Callable[[Case], bool]] = {
+    "README Limitations: a loss reaching an engine on some ranks only is not supported at ZeRO-3": _uneven_at_zero3,
+    "README: a plain loss.backward() reaching an engine is refused": lambda c: any(p.plain_backward for p in c.phases),
+}
+"""What the README documents as unsupported or refused, with the feature of a case that runs into it (a hint)."""
+
+
+def limits(case: Case) -> list[str]:
+    """The documented limitations whose feature ``case`` has."""
+    return [text for text, has in LIMITATIONS.items() if has(case)]
+
+
 def suspects(case: Case) -> list[int]:
     """The known defects whose feature ``case`` has."""
     return [number for number, (_, has) in KNOWN_DEFECTS.items() if has(case)]
@@ -109,7 +129,13 @@ def parse_seeds(text: str) -> range:
 
 
 def case_line(case: Case, result: Outcome) -> dict[str, Any]:
-    line = {"seed": case.seed, **result.to_dict(), "suspects": suspects(case), "size": size(case)}
+    line = {
+        "seed": case.seed,
+        **result.to_dict(),
+        "suspects": suspects(case),
+        "limits": limits(case),
+        "size": size(case),
+    }
     line["case"] = grammar.to_dict(case)
     return line
 
@@ -140,27 +166,36 @@ def groups_of(lines: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return {key: sorted(members, key=lambda line: line["size"]) for key, members in groups.items()}
 
 
-def shrink_groups(groups: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    shrunk = []
-    for key, members in groups.items():
+def kept_entry(result: Shrunk, seeds: list[int]) -> dict[str, Any]:
+    """A shrunk case as ``tests/fuzz/regressions/*.json`` keeps it (fill in ``note``; ``known_defect`` is a guess)."""
+    found = result.outcome
+    likely = suspects(result.case)
+    return {
+        "case": grammar.to_dict(result.case),
+        "found": f"{found.kind}: {found.error_type} {found.detail}".strip(),
+        "signature": " | ".join(found.signature()),
+        "known_defect": likely[0] if len(likely) == 1 else None,
+        "limits": limits(result.case),
+        "note": "",
+        "seeds": seeds,
+        "shrink_steps": result.steps,
+        "launches": result.launches,
+    }
+
+
+def shrink_groups(groups: dict[str, list[dict[str, Any]]], args: argparse.Namespace, folder: Path) -> list[dict]:
+    """Shrink the smallest case of each group; write each result to ``folder/<n>.json``, ready to keep."""
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = []
+    for number, (key, members) in enumerate(groups.items()):
         first = members[0]
         print(f"shrinking seed {first['seed']} ({key})", flush=True)
         signature = tuple(key.split(" | "))
         result = shrink(grammar.from_dict(first["case"]), signature, args.timeout, args.shrink_batch, args.shrink)
-        shrunk.append(
-            {
-                "signature": key,
-                "seeds": [line["seed"] for line in members],
-                "from_seed": first["seed"],
-                "steps": result.steps,
-                "launches": result.launches,
-                "outcome": result.outcome.to_dict(),
-                "suspects": suspects(result.case),
-                "case": grammar.to_dict(result.case),
-            }
-        )
+        kept.append({"group": key, **kept_entry(result, [line["seed"] for line in members])})
+        (folder / f"{number}.json").write_text(json.dumps(kept[-1], indent=1))
         print(grammar.to_json(result.case), flush=True)
-    return shrunk
+    return kept
 
 
 def summary(lines: list[dict[str, Any]], shrunk: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
@@ -175,17 +210,29 @@ def fuzz(args: argparse.Namespace) -> dict[str, Any]:
     log = report.with_suffix(".jsonl")
     log.write_text("")
     lines = run_seeds(parse_seeds(args.seeds), args, log)
-    shrunk = shrink_groups(groups_of(lines), args) if args.shrink else []
+    shrunk = shrink_groups(groups_of(lines), args, report.parent / f"{report.stem}-shrunk") if args.shrink else []
     result = {"seeds": args.seeds, "switches": args.switches, **summary(lines, shrunk, time.perf_counter() - start)}
     report.write_text(json.dumps({**result, "lines": lines}, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "shrunk"}))
     return result
 
 
+def shrink_report(args: argparse.Namespace) -> None:
+    """``shrink --from-report R.jsonl [--only TEXT]``: shrink one case of each failure group of a run's report."""
+    lines = [json.loads(line) for line in Path(args.from_report).read_text().splitlines() if line.strip()]
+    groups = {key: members for key, members in groups_of(lines).items() if not args.only or args.only in key}
+    folder = Path(args.from_report).with_suffix("")
+    shrink_groups(groups, args, folder.parent / f"{folder.name}-shrunk")
+
+
 def shrink_one(args: argparse.Namespace) -> None:
     """``shrink --seed N`` or ``shrink --case FILE``: run it, and shrink it if it fails."""
+    if args.from_report:
+        shrink_report(args)
+        return
     if args.case:
-        case = grammar.from_json(Path(args.case).read_text())
+        data = json.loads(Path(args.case).read_text())
+        case = grammar.from_dict(data.get("case", data))  # a case, or a kept entry holding one
     else:
         case = grammar.generate(args.seed, SWITCHES[args.switches], valid=reference.resolve)
     first = launch.run_batch([case], args.timeout)[0]
@@ -193,8 +240,7 @@ def shrink_one(args: argparse.Namespace) -> None:
     if first.kind == "match":
         return
     result = shrink(case, first.signature(), args.timeout, args.shrink_batch, args.shrink or 25)
-    print(json.dumps({"outcome": result.outcome.to_dict(), "steps": result.steps, "suspects": suspects(result.case)}))
-    print(grammar.to_json(result.case))
+    print(json.dumps(kept_entry(result, [case.seed]), indent=1))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -211,6 +257,8 @@ def parser() -> argparse.ArgumentParser:
     one = commands.add_parser("shrink", parents=[common], help="run one case and shrink it if it fails")
     one.add_argument("--seed", type=int, default=0)
     one.add_argument("--case", help="a case's JSON file instead of a seed")
+    one.add_argument("--from-report", help="a run's REPORT.jsonl: shrink one case of each failure group")
+    one.add_argument("--only", help="with --from-report: the groups whose signature contains this text")
     return main
 
 

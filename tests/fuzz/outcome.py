@@ -25,15 +25,43 @@ from tests.fuzz.grammar import Case
 from tests.fuzz.reference import Result
 
 KINDS = ("match", "mismatch", "documented", "undocumented", "hang")
+Tensors = dict[str, torch.Tensor]
 
-TOLERANCES = {"32-true": (1e-5, 1e-5), "bf16-mixed": (3e-2, 3e-2)}
-"""``(atol, rtol)`` per precision: ``|got - expected| <= atol + rtol * |expected|`` for every weight and gradient.
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|got - expected| <= atol + rtol * |expected|`` elementwise, or ``rtol * max|expected|`` with ``of_tensor``."""
+
+    atol: float
+    rtol: float
+    of_tensor: bool = False
+
+    def excess(self, got: torch.Tensor, expected: torch.Tensor) -> float:
+        """The largest ``|got - expected| / allowed``: above 1 is outside the tolerance."""
+        if got.shape != expected.shape:
+            return float("inf")
+        if not got.numel():
+            return 0.0
+        scale = expected.abs().max() if self.of_tensor else expected.abs()
+        return float(((got - expected).abs() / (self.atol + self.rtol * scale)).max())
+
+
+TOLERANCES = {
+    ("32-true", "weights"): Tolerance(1e-5, 1e-5),
+    ("32-true", "grads"): Tolerance(1e-5, 1e-5),
+    ("bf16-mixed", "weights"): Tolerance(3e-2, 3e-2),
+    ("bf16-mixed", "grads"): Tolerance(1e-3, 3e-2, of_tensor=True),
+}
+"""Per precision, for the final weights and for the gradients hooks read; fixed, never widened to pass.
 
 fp32: the ranks sum and average in another order than one process, a few ulps (1e-7) per operation; 1e-5
-leaves a hundredfold margin (the distributed suite's ``TOLERANCE``). bf16 keeps 8 significant bits: each weight
-is held in bf16 (2^-9 relative), and the forward and backward run in bf16, so gradients carry a relative error
-of a few 2^-8 through 2-3 layers and a penalty's double backward. 3e-2 is the suite's bf16 tolerance
-(``test_bf16_gan_trains_close_to_fp32``, "bf16 resolution" in the README), fixed: it is not widened to pass.
+leaves a hundredfold margin (the distributed suite's ``TOLERANCE``). bf16 keeps 8 significant bits and the
+reference runs in fp32: weights within 3e-2, the suite's bf16 tolerance (``test_bf16_gan_trains_close_to_fp32``,
+"bf16 resolution" in the README). A bf16 backward's error is relative to the size of the terms it sums, not of
+their (possibly cancelling) sum, so a gradient is compared within 3% of its tensor's largest element (+1e-3):
+plain PyTorch in bf16 (weights, forward and backward) stays within 0.5% of fp32 on fuzz cases, and so the
+strategy must too, with a sixfold margin. Weights under Adam hide a wrong gradient (Adam normalizes it); the
+gradient reads do not.
 """
 
 COLLECTIVE_FAILURE = re.compile(r"Connection (closed|reset)|Broken pipe|gloo", re.IGNORECASE)
@@ -67,20 +95,15 @@ class Outcome:
 # ---- finished runs ---------------------------------------------------------------------------------------
 
 
-def excess(got: torch.Tensor, expected: torch.Tensor, precision: str) -> float:
-    """The largest ``|got - expected| / (atol + rtol * |expected|)``: above 1 is outside the tolerance."""
-    atol, rtol = TOLERANCES[precision]
-    if got.shape != expected.shape:
-        return float("inf")
-    return float(((got - expected).abs() / (atol + rtol * expected.abs())).max()) if got.numel() else 0.0
-
-
-def compare_weights(
-    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], precision: str
-) -> tuple[float, str]:
+def compare_tensors(got: Tensors, expected: Tensors, tolerance: Tolerance) -> tuple[float, str]:
+    """The largest excess over ``tolerance`` among the tensors, and the key where it is."""
     if got.keys() != expected.keys():
-        return float("inf"), f"weights: keys differ: {sorted(got.keys() ^ expected.keys())}"
-    worst, where = max(((excess(got[k], expected[k], precision), k) for k in expected), default=(0.0, ""))
+        return float("inf"), f"keys differ: {sorted(got.keys() ^ expected.keys())}"
+    return max(((tolerance.excess(got[k], expected[k]), k) for k in expected), default=(0.0, ""))
+
+
+def compare_weights(got: Tensors, expected: Tensors, precision: str) -> tuple[float, str]:
+    worst, where = compare_tensors(got, expected, TOLERANCES[precision, "weights"])
     return worst, f"weights: {where}"
 
 
@@ -89,9 +112,9 @@ def compare_reads(got: list[dict[str, Any]], expected: list[dict[str, Any]], pre
         return float("inf"), f"reads: {len(got)} hook reads, plain PyTorch {len(expected)}"
     worst, where = 0.0, ""
     for index, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
-        ratio, key = compare_weights(mine["grads"], theirs["grads"], precision)
+        ratio, key = compare_tensors(mine["grads"], theirs["grads"], TOLERANCES[precision, "grads"])
         if ratio > worst:
-            worst, where = ratio, f"reads: #{index} {mine['hook']} of {mine['engine']}: {key.split(': ', 1)[1]}"
+            worst, where = ratio, f"reads: #{index} {mine['hook']} of {mine['engine']}: {key}"
     return worst, where
 
 
