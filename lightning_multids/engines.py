@@ -237,8 +237,9 @@ class EngineSet:
             )
 
 
-_RELEASED_WEIGHT = re.compile(r"must be a matrix|\(0\)|\[0\]")
-"""How torch reports a ZeRO-3 weight partitioned to an empty tensor where an operation needs it whole."""
+_RELEASED_WEIGHT = re.compile(r"mat2 must be a matrix|expected shape compatible with \[0\]")
+"""How torch reports a ZeRO-3 weight partitioned to an empty tensor where a matrix product or its gradient needs it
+whole (seen with torch 2.11-2.13); narrow, so that an unrelated error keeps its own message."""
 
 
 def _several_ranks() -> bool:

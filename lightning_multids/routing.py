@@ -53,18 +53,15 @@ class _Phases:
     """Where one engine is in a routed backward: gradients not yet reduced, and nested graph tasks closed.
 
     ``task`` is the graph task whose gradients are pending; ``reduced`` says that some were reduced before the
-    epilogue (a phase closed); ``arrived`` holds the index of each parameter whose gradient arrived.
+    epilogue (a phase closed); ``arrived`` maps the index of each parameter whose gradient arrived to the order of
+    its first arrival (1, 2, ...): ZeRO-2 buckets gradients in that order.
     """
 
     pending: bool = False
     ended: set[int] = field(default_factory=set)
     task: int = -1
     reduced: bool = False
-    arrived: set[int] = field(default_factory=set)
-
-    def signature(self) -> int:
-        """A number that differs, but for a negligible chance, between two different sets of arrived parameters."""
-        return sum((index + 1) * 2654435761 % 2**31 for index in self.arrived)
+    arrived: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -79,6 +76,8 @@ class Route:
 
     engines: Mapping[str, DeepSpeedEngine]
     factors: Mapping[str, float] = field(default_factory=dict)
+    sizes: Mapping[str, int] = field(default_factory=dict)
+    """Each engine's number of parameters (:meth:`Router.watch`), for :func:`agree`."""
     """Each engine's gradient factor (fp16 engines at different loss scales, :func:`precision.loss_scaling`)."""
     entered: dict[str, _Phases] = field(default_factory=dict)
     root_task: int = -1
@@ -145,6 +144,8 @@ class Router:
 
     def __init__(self) -> None:
         self.current: Route | None = None
+        self.sizes: dict[str, int] = {}
+        """Each watched engine's number of parameters."""
 
     def watch(self, name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
         """Hook ``engine``'s trainable parameters (once, at setup) so a routed backward sees their gradients arrive.
@@ -163,9 +164,11 @@ class Router:
           can only reduce if an epilogue runs in between. DeepSpeed's post-backward callback runs once, at
           the end of the outer graph task, so the router closes each nested phase itself.
         """
+        params = list(engine.module.parameters())
+        self.sizes[name] = len(params)
         return [
             param.register_hook(functools.partial(self._on_gradient, name, engine, index))
-            for index, param in enumerate(engine.module.parameters())
+            for index, param in enumerate(params)
             if param.requires_grad
         ]
 
@@ -181,7 +184,7 @@ class Router:
         if phases.pending and task != phases.task:  # a plain call's gradients, then a reentrant checkpoint's
             _end_phase(engine, phases)
         phases.pending, phases.task = True, task
-        phases.arrived.add(index)
+        phases.arrived.setdefault(index, len(phases.arrived) + 1)
         if task not in (route.root_task, -1) and task not in phases.ended:
             phases.ended.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_phase(engine, phases))
@@ -209,7 +212,7 @@ class Router:
         runs, since it would reduce on this rank alone: every entered engine is reset and drops its gradients
         of this step (:func:`~lightning_multids.internals.abandon_backward`), and leaves the backward.
         """
-        route = Route(engines, factors or {})
+        route = Route(engines, factors or {}, self.sizes)
 
         def record_root(grad: torch.Tensor) -> torch.Tensor:
             route.root_task = torch._C._current_graph_task_id()
@@ -276,10 +279,12 @@ def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:
 def agree(route: Route) -> set[str]:
     """Agree across ranks on what each rank's backward reached; enter the engines reached elsewhere only.
 
-    One all-reduce (MAX) of 6 integers per trainable engine, after every backward when there are several ranks:
-    whether this rank entered it, which of its parameters got a gradient, and whether it reduced some before
-    the epilogue; each with its negative, which gives the minimum over ranks too. Returns the engines whose
-    reach differs between ranks (entered on every rank now).
+    One all-reduce (MAX) after every backward when there are several ranks, of 4 integers per trainable engine and
+    2 per parameter: whether this rank entered the engine, whether it reduced some of its gradients before the
+    epilogue, and for each parameter the order in which its gradient first arrived (0: none); each with its
+    negative, which gives the minimum over ranks too. The exact sets and orders are compared: ZeRO-2 buckets
+    gradients in arrival order, so two ranks that reach the same parameters in another order must be evened out
+    too. Returns the engines whose reach differs between ranks (entered on every rank now).
 
     Raises:
         RuntimeError: on every rank, for a ZeRO-2/3 engine whose reach differs and that already reduced
@@ -288,21 +293,28 @@ def agree(route: Route) -> set[str]:
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1 or not route.engines:
         return set()
     names = sorted(route.engines)
-    local = []
+    local: list[int] = []
     for name in names:
         phases = route.entered.get(name)
-        entered, signature = (1, phases.signature()) if phases else (0, 0)
         reduced = int(phases is not None and (phases.reduced or internals.reduced_during_backward(route.engines[name])))
-        local += [entered, -entered, signature, -signature, reduced, -reduced]
+        order = [phases.arrived.get(index, 0) if phases else 0 for index in range(route.sizes.get(name, 0))]
+        local += [int(phases is not None), reduced, *order]
     device = next(iter(route.engines.values())).device
-    state = torch.tensor(local, dtype=torch.int64, device=device)
+    state = torch.tensor([*local, *(-value for value in local)], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(state, op=torch.distributed.ReduceOp.MAX)
-    table = state.view(len(names), 6).tolist()
-    rows = dict(zip(names, table, strict=True))
-    uneven = {name for name, row in rows.items() if row[0] == 1 and (row[0] + row[1] or row[2] + row[3])}
-    for name in sorted(uneven):
-        if rows[name][4]:
-            _refuse_reduced_uneven(name)
+    values = state.tolist()
+    highest, lowest = values[: len(local)], [-value for value in values[len(local) :]]
+    uneven, reduced_uneven, offset = set(), set(), 0
+    for name in names:
+        width = 2 + route.sizes.get(name, 0)
+        high, low = highest[offset : offset + width], lowest[offset : offset + width]
+        offset += width
+        if high[0] == 1 and high != low:
+            uneven.add(name)
+            if high[1]:
+                reduced_uneven.add(name)
+    for name in sorted(reduced_uneven):
+        _refuse_reduced_uneven(name)
     for name in sorted(uneven - set(route.entered)):
         route.enter(name)
     return uneven

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests import reach
+from tests.distributed import run_experts
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_patterns import assert_backward_state_clean, assert_matches
 
@@ -59,3 +60,12 @@ def test_plain_call_after_a_reentrant_checkpoint_of_the_same_engine(tmp_path: Pa
 def test_late_plain_call_inside_no_sync(tmp_path: Path, stage: int) -> None:
     result = train(tmp_path, "late_plain", "sgd", stage, stage, "no_sync")
     assert_matches(result["weights"], reach.reference("late_plain", "sgd", STEPS), TOLERANCE)
+
+
+def test_ranks_reaching_as_many_parameters_but_other_ones_match_pytorch(tmp_path: Path) -> None:
+    """Top-2 of 4 experts, {0, 3} on rank 0 and {1, 2} on rank 1, in a ZeRO-1 and a ZeRO-2 engine."""
+    out = tmp_path / "weights.pt"
+    run_ranks(RUNNER.with_name("run_experts.py"), str(out), "1", "2", timeout=240)
+    trained, expected = torch.load(out), run_experts.reference()
+    for key, value in expected.items():
+        assert (trained[key] - value).abs().max().item() <= TOLERANCE, key
