@@ -2,6 +2,8 @@
 
     python -m tests.fuzz.fuzz --seeds 0:200 --report outputs/fuzz/report.json
     python -m tests.fuzz.fuzz shrink --seed 17          # or --case FILE.json: print the smallest failing case
+    python -m tests.fuzz.fuzz shrink --from-report outputs/fuzz/report.jsonl   # one case of each failure group
+    python -m tests.fuzz.fuzz summarize outputs/fuzz/report.jsonl             # counts and groups, also mid-run
 
 Each seed's case (:func:`grammar.generate`) is trained on 2 CPU ranks under the strategy and in plain
 PyTorch (``reference.py``), and classified (``outcome.py``). Failures are grouped by their signature (class,
@@ -217,9 +219,30 @@ def fuzz(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def read_lines(path: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def summarize(args: argparse.Namespace) -> None:
+    """``summarize R.jsonl``: the counts per class and the failure groups of a run (finished or interrupted)."""
+    lines = read_lines(args.jsonl)
+    counts = {kind: sum(line["kind"] == kind for line in lines) for kind in KINDS}
+    seeds = sorted(line["seed"] for line in lines)
+    print(json.dumps({"cases": len(lines), "seeds": f"{seeds[0]}..{seeds[-1]}" if seeds else "", "counts": counts}))
+    for key, members in sorted(groups_of(lines).items(), key=lambda item: -len(item[1])):
+        print(f"{len(members):4d}  {key}: {members[0]['detail'][:120]}")
+        print(f"      seeds {[line['seed'] for line in members]}")
+        print(f"      known-defect features {sorted({d for line in members for d in line['suspects']})}")
+        print(f"      documented limitations {sorted({t for line in members for t in limits(_case(line))})}")
+
+
+def _case(line: dict[str, Any]) -> Case:
+    return grammar.from_dict(line["case"])
+
+
 def shrink_report(args: argparse.Namespace) -> None:
     """``shrink --from-report R.jsonl [--only TEXT]``: shrink one case of each failure group of a run's report."""
-    lines = [json.loads(line) for line in Path(args.from_report).read_text().splitlines() if line.strip()]
+    lines = read_lines(args.from_report)
     groups = {key: members for key, members in groups_of(lines).items() if not args.only or args.only in key}
     folder = Path(args.from_report).with_suffix("")
     shrink_groups(groups, args, folder.parent / f"{folder.name}-shrunk")
@@ -259,6 +282,8 @@ def parser() -> argparse.ArgumentParser:
     one.add_argument("--case", help="a case's JSON file instead of a seed")
     one.add_argument("--from-report", help="a run's REPORT.jsonl: shrink one case of each failure group")
     one.add_argument("--only", help="with --from-report: the groups whose signature contains this text")
+    summary_command = commands.add_parser("summarize", help="counts and failure groups of a run's REPORT.jsonl")
+    summary_command.add_argument("jsonl")
     return main
 
 
@@ -266,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "shrink":
         shrink_one(args)
+        return 0
+    if args.command == "summarize":
+        summarize(args)
         return 0
     fuzz(args)
     return 0

@@ -2,10 +2,11 @@
 
 Each backward runs once per rank's shard of the global batch, on ``loss / world_size``: the average of the
 ranks' gradients that DDP (and the strategy) take, also where a term depends on the rank's own data. The
-conventions the strategy documents are followed: ``opt.step()`` clears the gradients it applied (as
-DeepSpeed does); an EMA average follows ``AveragedModel`` with ``get_ema_multi_avg_fn`` after each step of
-its source; ``full_gradients`` of an engine holds its trainable parameters' averaged gradients (zeros where
-none arrived).
+conventions the strategy documents are followed: ``opt.step()`` updates every parameter of its engine, one
+without a gradient as if it were zero (README Limitations: Adam's momentum moves it), and clears the
+gradients it applied (as DeepSpeed does); an EMA average follows ``AveragedModel`` with
+``get_ema_multi_avg_fn`` after each step of its source; ``full_gradients`` of an engine holds its trainable
+parameters' averaged gradients (zeros where none arrived).
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ class ReferenceBackend:
             raise InvalidCase(f"{name} steps without gradients on every rank")
         if self.case.read_before_step:
             self.reads.append(Read("before_step", name, gradients(self.modules[name])))
+        for p in self.modules[name].parameters():  # README Limitations: a step updates every parameter of the
+            if p.grad is None:  # engine; torch.optim would skip one without a gradient (Adam's momentum moves it)
+                p.grad = torch.zeros_like(p)
         self.optimizers[name].step()
         self.zero_grad(name)  # the strategy's opt.step() clears the gradients it applied, as DeepSpeed's step does
         ema = self.case.ema

@@ -1,11 +1,13 @@
-"""A fixed slice of the fuzzer in the suite: a few seeds of the safe grammar, one 2-rank launch, all must match.
+"""A fixed slice of the fuzzer in the suite: 14 seeds, one 2-rank launch (about 40 s), all must match.
 
-The slice draws with ``grammar.SAFE`` (the dimensions of the six defects known on 2026-11-24 left out) and its
-seeds were chosen to pass today and to cover between them: ZeRO 0-3 (mixed in one module), frozen engines,
-SGD and Adam, bf16, chains through several engines, detach and no_grad, toggling, accumulation over
-micro-batches, every ``zero_grad`` placement, ``no_sync``, a gradient penalty, activation checkpointing,
-``on_before_optimizer_step`` reading ``full_gradients``, and an EMA engine (see ``test_the_slice_covers``).
-``make fuzz`` runs the whole grammar over a range of seeds.
+``SLICE`` draws with ``grammar.SAFE`` (the dimensions of the six defects known on 2026-11-24 left out); its seeds
+cover between them ZeRO 0-3 (mixed in one module), frozen engines, SGD and Adam, bf16, chains through several
+engines, detach and no_grad, toggling, accumulation over micro-batches, every ``zero_grad`` placement,
+``no_sync``, a gradient penalty, activation checkpointing, ``on_before_optimizer_step`` reading
+``full_gradients``, and an EMA engine. ``FIXES`` draws with ``grammar.FULL``: seeds that exercise the six
+defects' dimensions and pass since their fixes (``on_after_backward`` reads, ``offload_optimizer``, the bf16
+optimizer's fp32 accumulation, a term on some ranks only, a reentrant checkpoint beside a plain call).
+``test_the_slice_covers`` keeps them covering that. ``make fuzz`` runs the whole grammar over a range of seeds.
 """
 
 from __future__ import annotations
@@ -19,17 +21,22 @@ SLICE = (30, 25, 7, 31, 0, 38, 12)  # seeds of grammar.SAFE; `test_the_slice_cov
 TIMEOUT = 150.0
 
 
+FIXES = (108, 264, 156, 292, 214, 164, 55)  # seeds of grammar.FULL
+
+
 @pytest.fixture(scope="module")
 def cases() -> list[Case]:
-    return [grammar.generate(seed, grammar.SAFE, valid=reference.resolve) for seed in SLICE]
+    safe = [grammar.generate(seed, grammar.SAFE, valid=reference.resolve) for seed in SLICE]
+    return safe + [grammar.generate(seed, grammar.FULL, valid=reference.resolve) for seed in FIXES]
 
 
 def features(case: Case) -> set[str]:
     found = {f"stage{engine.stage}" for engine in case.engines}
     found |= {str(engine.optimizer) if engine.trained else "frozen" for engine in case.engines}
     found |= {f"inner_{engine.inner_checkpoint}" for engine in case.engines if engine.inner_checkpoint}
+    found |= {name for engine in case.engines for name in ("offload", "fp32_grad_accum") if getattr(engine, name)}
     flags = {"bf16": case.precision == "bf16-mixed", "ema": case.ema is not None}
-    flags["read_before_step"] = case.read_before_step
+    flags |= {"read_before_step": case.read_before_step, "read_after_backward": bool(case.read_after_backward)}
     for phase in case.phases:
         found |= {f"zero_grad_{phase.zero_grad}"} | term_features(phase)
         flags |= {"toggle": flags.get("toggle") or phase.toggle, "micro": flags.get("micro") or phase.micro > 1}
@@ -44,12 +51,14 @@ def term_features(phase: Phase) -> set[str]:
         found |= {"penalty"} if term.penalty else set()
         found |= {name for call in term.calls for name in ("detach", "no_grad") if getattr(call, name)}
         found |= {f"call_{call.checkpoint}" for call in term.calls if call.checkpoint}
+        found |= {"gate_data"} if term.gate == "data" else set()
     return found
 
 
 COVERED = {"stage0", "stage1", "stage2", "stage3", "frozen", "sgd", "adam", "bf16", "ema", "read_before_step"}
 COVERED |= {"zero_grad_before", "zero_grad_after", "zero_grad_between", "zero_grad_none", "toggle", "micro"}
 COVERED |= {"no_sync", "chain", "penalty", "detach", "no_grad"}
+COVERED |= {"offload", "fp32_grad_accum", "gate_data", "call_reentrant", "read_after_backward"}
 
 
 def test_the_slice_covers(cases: list[Case]) -> None:
