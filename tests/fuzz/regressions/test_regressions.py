@@ -1,8 +1,9 @@
 """Replay the fuzz cases kept in this folder: each must match plain PyTorch.
 
 Each ``*.json`` here is ``{"case": <a shrunk case>, "found": <how the fuzzer classified it>, "note": <what it
-seems to be>, "known_defect": <number in fuzz.KNOWN_DEFECTS, or null>}``. A case of a defect not fixed yet is
-expected to fail (``xfail(strict=True)``): once the defect is fixed the test fails until the mark is removed.
+seems to be>, "known_defect": <the defect not fixed yet: a number of fuzz.KNOWN_DEFECTS or a name, or null>}``
+(``python -m tests.fuzz.fuzz shrink`` prints one). A case of a defect not fixed yet is expected to fail
+(``xfail(strict=True)``): once the defect is fixed the test fails until ``known_defect`` is set to null.
 Cases that pass run together in one 2-rank launch; an expected failure runs alone (a failing case ends its launch).
 """
 
