@@ -70,7 +70,7 @@ _CLASS_METHODS: dict[type, tuple[str, ...]] = {
         "average_tensor",
         "setup_buckets",
     ),
-    DeepSpeedZeroOptimizer_Stage3: ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",),
+    DeepSpeedZeroOptimizer_Stage3: ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "_fp32_state_allgather"),
     DeepSpeedZeRoOffload: ("_register_deepspeed_module",),
 }
 _ENGINE_ATTRIBUTES = (
@@ -100,6 +100,7 @@ _OPTIMIZER_ATTRIBUTES: dict[type, tuple[str, ...]] = {
         "gradient_accumulation_dtype",
         "partition_gradients",
         "cpu_offload",
+        "single_partition_of_fp32_groups",
         "compute_grad_norm",
         "check_grad_overflow",
         "dtype",
@@ -110,6 +111,10 @@ _OPTIMIZER_ATTRIBUTES: dict[type, tuple[str, ...]] = {
         "ipg_buckets",
         "params_already_reduced",
         "grad_partitions_flat_buffer",
+        "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+        "offload_optimizer",
+        "fp32_partitioned_groups_flat",
+        "reduce_and_partition_stream",
         "clip_grad",
         "_coalesce_grad_reduction",
     ),
@@ -303,6 +308,8 @@ def clear_gradients(engine: DeepSpeedEngine) -> None:
             param.grad = None
         optimizer.zero_grad(set_to_none=True)
         optimizer.grad_partitions_flat_buffer.zero_()
+        if optimizer.offload_optimizer:
+            _clear_offloaded_zero3_gradients(optimizer)
     elif optimizer is not None:
         optimizer.zero_grad(set_to_none=True)  # torch optimizer, or BF16/FP16_Optimizer: lp and hp grads
     engine.zero_grad()  # param.grad of every module parameter
@@ -314,12 +321,44 @@ def _clear_offloaded_accumulation(optimizer: DeepSpeedZeroOptimizer) -> None:
     Between steps it keeps each reached parameter's gradient in ``accumulated_grads_in_cpu`` and the parameter's id
     in ``_offload_accumulated_param_ids``; ``step()`` applies every listed parameter's buffer and only ``step()``
     resets the list. Left after ``zero_grad()``, a parameter not reached again before the step would get the cleared
-    gradient applied. The in-flight copies into those buffers are waited for first.
+    gradient applied. The in-flight copies into those buffers are waited for first. The fp32 gradient partition
+    is cleared too (:func:`_clear_offloaded_partition_gradients`).
     """
     optimizer._wait_for_offload_copies()
     optimizer._offload_accumulated_param_ids.clear()
     for buffer in optimizer.accumulated_grads_in_cpu.values():
         buffer.zero_()
+    _clear_offloaded_partition_gradients(optimizer)
+
+
+def _clear_offloaded_partition_gradients(optimizer: DeepSpeedZeroOptimizer) -> None:
+    """Zero the host fp32 gradient partition of a ZeRO-1/2 optimizer with ``offload_optimizer``.
+
+    The optimizer steps ``single_partition_of_fp32_groups[i].grad``, a buffer it allocates once and never clears
+    (0.19.8: ``initialize_optimizer_states``, ``step``): each backward at the accumulation boundary copies in the
+    slices of the parameters it reached, so a parameter reached at one step and not at the next was stepped again
+    with its old gradient. Plain DeepSpeed does the same when a step leaves a parameter unused.
+    """
+    optimizer._wait_for_offload_copies()
+    _zero_gradients_of(optimizer.single_partition_of_fp32_groups)
+
+
+def _clear_offloaded_zero3_gradients(optimizer: DeepSpeedZeroOptimizer_Stage3) -> None:
+    """Zero the host fp32 gradient partitions of a ZeRO-3 optimizer with ``offload_optimizer``.
+
+    As at ZeRO-1/2, ``fp32_partitioned_groups_flat[i].grad`` is allocated once and only the slices of the
+    parameters a step reached are copied in (0.19.8: ``_offload_grad_partition_at_boundary``), so the others kept
+    the last step's gradient. The copies run on ``reduce_and_partition_stream``, waited for first.
+    """
+    if not get_accelerator().resolves_data_dependency():
+        optimizer.reduce_and_partition_stream.synchronize()
+    _zero_gradients_of(optimizer.fp32_partitioned_groups_flat)
+
+
+def _zero_gradients_of(partitions: list[torch.Tensor]) -> None:
+    for partition in partitions:
+        if partition.grad is not None:  # None where a subgroup is swapped out to NVMe
+            partition.grad.zero_()
 
 
 def clear_after_step(engine: DeepSpeedEngine) -> None:
@@ -328,9 +367,16 @@ def clear_after_step(engine: DeepSpeedEngine) -> None:
     ``step()`` clears ``param.grad``, the optimizer's local and reduced gradients and ZeRO-1/2's partitions and
     ``micro_step_id`` itself (0.19.8: ``_take_model_step``, ``DeepSpeedZeroOptimizer.step``). ZeRO-3 leaves its
     flat partition buffer, into which a parameter first reduced after the first backward of the next step adds.
+    With ``offload_optimizer`` every stage leaves the host fp32 gradient partition, which the next step would
+    apply again to every parameter that step does not reach.
     """
-    if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
-        engine.optimizer.grad_partitions_flat_buffer.zero_()
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        optimizer.grad_partitions_flat_buffer.zero_()
+        if optimizer.offload_optimizer:
+            _clear_offloaded_zero3_gradients(optimizer)
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.cpu_offload:
+        _clear_offloaded_partition_gradients(optimizer)
 
 
 def _initial_micro_step_id() -> int:
@@ -458,10 +504,26 @@ def gathered_gradients(
     """
     optimizer = engine.optimizer
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        if optimizer.offload_optimizer:
+            return {key: _offloaded_zero3_gradient(optimizer, param) for key, param in params.items()}
         return {key: safe_get_full_grad(param) for key, param in params.items()}
     _refuse_unexposed_fragments(optimizer, name)
     with _reduced_fragments_exposed(optimizer):
         return {key: safe_get_full_grad(param) for key, param in params.items()}
+
+
+def _offloaded_zero3_gradient(optimizer: DeepSpeedZeroOptimizer_Stage3, param: torch.nn.Parameter) -> torch.Tensor:
+    """A ZeRO-3 parameter's whole reduced gradient while ``offload_optimizer`` is set, before ``step()``.
+
+    ``safe_get_full_grad`` reads the host fp32 partition then, which holds this step's gradient only once
+    ``step()`` has copied it in (0.19.8: ``get_fp32_grad_for_param``, ``_finalize_offload_gradient_accumulation``).
+    Until then the gradient is in the partition buffer the backward accumulates into, gathered here as
+    ``get_fp32_grad_for_param`` gathers it without offload.
+    """
+    if not get_accelerator().resolves_data_dependency():
+        optimizer.reduce_and_partition_stream.synchronize()
+    partition = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition[param.ds_id]  # type: ignore[attr-defined]
+    return optimizer._fp32_state_allgather(param, partition.to(get_accelerator().current_device_name()).float())
 
 
 def _refuse_unexposed_fragments(optimizer: DeepSpeedZeroOptimizer, name: str) -> None:

@@ -25,6 +25,7 @@ PATTERNS = (
     "interrupted",
     "step_interrupted",
     "zero_grad_unreached",
+    "reach_alternates",
 )
 CLIP = 0.05
 CLIPPING = ("clipped", "step_interrupted")
@@ -354,6 +355,32 @@ def zero_grad_unreached(
     opt_d.zero_grad()
 
 
+def reach_alternates(
+    G: nn.Module,
+    D: nn.Module,
+    batch: torch.Tensor,
+    opt_g: Any,
+    opt_d: Any,
+    backward: Backward,
+    toggle: Toggle | None = None,
+) -> None:
+    """D's loss reaches all of D at even steps and only D's first layer at odd ones; G trains on its own loss.
+
+    At an odd step D's last layer gets no gradient, so (with SGD) its step must leave it where it is, whatever
+    gradient it had at the step before. The step count is kept on D, so it restarts with the modules.
+    """
+    real, z = split(batch)
+    steps_seen = D.__dict__.get("steps_seen", 0)
+    D.steps_seen = steps_seen + 1
+    head = D if steps_seen % 2 == 0 else D[0]
+    backward(head(real).pow(2).mean() + head(G(z).detach()).tanh().mean())
+    opt_d.step()
+    opt_d.zero_grad()
+    backward((G(z) - real).pow(2).mean())
+    opt_g.step()
+    opt_g.zero_grad()
+
+
 STEPS: dict[str, Callable[..., None]] = {
     "gan": gan,
     "gan_zero_first": gan_zero_first,
@@ -364,6 +391,7 @@ STEPS: dict[str, Callable[..., None]] = {
     "interrupted": interrupted,
     "step_interrupted": step_interrupted,
     "zero_grad_unreached": zero_grad_unreached,
+    "reach_alternates": reach_alternates,
 }
 
 

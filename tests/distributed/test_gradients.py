@@ -55,6 +55,18 @@ def test_full_gradients_refuses_zero2_with_an_fp32_accumulator(tmp_path: Path) -
     )
 
 
+OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_full_gradients_with_an_offloaded_optimizer(tmp_path: Path, stage: int, backwards: int) -> None:
+    """``offload_optimizer``: DeepSpeed's host fp32 partition holds a step's gradient only once ``step()`` runs."""
+    out = tmp_path / "grads.pt"
+    run_ranks(RUNNER, str(out), str(stage), "32-true", json.dumps(OFFLOAD), str(backwards), timeout=300)
+    assert_read_as_pytorch(torch.load(out), "32-true")
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 def test_full_gradients_accumulated_under_deepspeeds_bf16_optimizer(tmp_path: Path, stage: int) -> None:
     """Two backwards of ``loss / 2``: ``BF16_Optimizer`` keeps their sum in fp32 beside ``param.grad`` (the last).

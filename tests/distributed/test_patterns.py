@@ -121,6 +121,15 @@ def test_offloaded_optimizer_states_train_as_plain_pytorch(tmp_path: Path, stage
         assert_backward_state_clean(result)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_offloaded_step_does_not_apply_the_last_steps_gradient_again(tmp_path: Path, stage: int) -> None:
+    """``offload_optimizer``: a parameter reached at one step and not at the next stays put at the next (SGD)."""
+    steps = 4
+    result = train(tmp_path, stage, "sgd", steps, "32-true", "reach_alternates+offload")["reach_alternates+offload"]
+    assert_matches(result["weights"], patterns.reference("reach_alternates", "sgd", steps), TOLERANCE)
+    assert_backward_state_clean(result)
+
+
 def test_single_optimizer_automatic_optimization_matches_pytorch(tmp_path: Path) -> None:
     steps = 6
     result = train(tmp_path, 2, "sgd", steps, "32-true", "automatic")["automatic"]
