@@ -94,6 +94,11 @@ class EngineSet:
         """The live trainable engines by name, in optimizer order (none after :meth:`release`)."""
         return {o.name: self.engines[o.name] for o in self.optimizers if o.name in self.engines}
 
+    @property
+    def _frozen_zero3_engines(self) -> list[DeepSpeedEngine]:
+        trained = {optimizer.name for optimizer in self.optimizers}
+        return [e for n, e in self.engines.items() if n not in trained and e.zero_optimization_stage() == 3]
+
     def clear_gradients(self) -> None:
         """Clear every trainable engine's gradients, as ``opt.zero_grad()`` on each would."""
         for optimizer in self.optimizers:
@@ -156,6 +161,8 @@ class EngineSet:
                 self._mark_gradients(route.entered, False)  # routed() drops them
                 self._explain_released_weights(error)
                 raise
+        for engine in self._frozen_zero3_engines:
+            internals.release_after_backward(engine)
         if not route.entered:
             self._refuse_untrained()
         self.backward_calls += 1

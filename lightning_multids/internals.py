@@ -71,7 +71,7 @@ _CLASS_METHODS: dict[type, tuple[str, ...]] = {
         "setup_buckets",
     ),
     DeepSpeedZeroOptimizer_Stage3: ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "_fp32_state_allgather"),
-    DeepSpeedZeRoOffload: ("_register_deepspeed_module",),
+    DeepSpeedZeRoOffload: ("_register_deepspeed_module", "release_backward_leftovers"),
 }
 _ENGINE_ATTRIBUTES = (
     "_running_engine_backward_lock",
@@ -635,6 +635,27 @@ def is_gathered(param: torch.nn.Parameter) -> bool:
     return bool(param.ds_status == ZeroParamStatus.AVAILABLE)  # type: ignore[attr-defined]
 
 
+def _zero3_offload(engine: DeepSpeedEngine) -> DeepSpeedZeRoOffload:
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    if not isinstance(offload, DeepSpeedZeRoOffload):
+        _refuse_missing("DeepSpeedZeRoOffload (the ZeRO-3 parameter hooks)")
+    return offload
+
+
+def release_after_backward(engine: DeepSpeedEngine) -> None:
+    """Release the submodules of a ZeRO-3 ``engine`` that a backward gathered and no hook released.
+
+    DeepSpeed releases a submodule's parameters once its backward has seen the gradient of every input that needed
+    one, and restarts that count at each forward of the submodule (0.19.8: ``_post_backward_module_hook``). A
+    submodule called twice before a backward, the first time on an input that needs a gradient (a frozen critic on
+    G's output, then on data), is never released by the backward and its parameters stay marked in use: the next
+    partition (``consolidated_state_dict``, a checkpoint) fails. A trained engine's epilogue releases such leftovers
+    (``release_backward_leftovers``); a frozen engine has no epilogue, so it is called here, after every backward.
+    A no-op when nothing is left.
+    """
+    _zero3_offload(engine).release_backward_leftovers()
+
+
 def suspend_zero3_hooks(engine: DeepSpeedEngine) -> Callable[[], None]:
     """Take ZeRO-3's per-submodule gather/release hooks off the engine's module; return what puts them back.
 
@@ -643,9 +664,7 @@ def suspend_zero3_hooks(engine: DeepSpeedEngine) -> Callable[[], None]:
     them again and invalidates the recorded prefetch trace. Each parameter's ``ds_active_sub_modules`` is
     cleared, so no hook run before counts the whole parameter as in use (as TRL does around ``generate``).
     """
-    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
-    if not isinstance(offload, DeepSpeedZeRoOffload):
-        _refuse_missing("DeepSpeedZeRoOffload (the ZeRO-3 parameter hooks)")
+    offload = _zero3_offload(engine)
     for param in engine.module.parameters():
         param.ds_active_sub_modules.clear()  # type: ignore[attr-defined]
     for hook in [*offload.forward_hooks, *offload.backward_hooks]:

@@ -516,10 +516,26 @@ def frozen_middle_step(
     opt.zero_grad()
 
 
+def frozen_twice_step(
+    generator: nn.Module, critic: nn.Module, batch: torch.Tensor, opt: Any, backward: Backward
+) -> None:
+    """The frozen critic is called twice in one loss: on G's output (needs a gradient), then on data (does not)."""
+    real, z = split(batch)
+    backward(critic(generator(z)).pow(2).mean() + critic(real).tanh().mean())
+    opt.step()
+    opt.zero_grad()
+
+
+FROZEN_IN_THE_MIDDLE: dict[str, Callable[..., None]] = {
+    "frozen_middle": frozen_middle_step,
+    "frozen_twice": frozen_twice_step,
+}
+
+
 def reference_distill(case: str, steps: int, global_batch: int = 8) -> dict[str, torch.Tensor]:
     """Plain PyTorch for the frozen-engine cases; returns the trained module's weights."""
     data = make_batches(steps, global_batch)
-    if case == "frozen_middle":
+    if case in FROZEN_IN_THE_MIDDLE:
         trained, _ = make_modules()
         _, frozen = make_modules()
         prefix = "generator"
@@ -530,8 +546,8 @@ def reference_distill(case: str, steps: int, global_batch: int = 8) -> dict[str,
     opt = make_optimizer("sgd", trained.parameters())
     for step in range(steps):
         batch = data[step * global_batch : (step + 1) * global_batch]
-        if case == "frozen_middle":
-            frozen_middle_step(trained, frozen, batch, opt, lambda loss: loss.backward())
+        if case in FROZEN_IN_THE_MIDDLE:
+            FROZEN_IN_THE_MIDDLE[case](trained, frozen, batch, opt, lambda loss: loss.backward())
         else:
             distill_step(frozen, trained, batch, opt, lambda loss: loss.backward())
     return {f"{prefix}.{k}": v.detach().float().clone() for k, v in trained.state_dict().items()}

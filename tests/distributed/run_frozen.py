@@ -2,7 +2,8 @@
 
 Usage: run_frozen.py OUT STEPS PRECISION SPEC [SPEC ...], each SPEC ``case:frozen_stage:trained_stage`` (a frozen
 stage ``3o``: ZeRO-3 with ``offload_param`` to the CPU) with case
-``distill`` (frozen teacher, trained student), ``frozen_middle`` (loss = frozen critic(generator(z))) or
+``distill`` (frozen teacher, trained student), ``frozen_middle`` (loss = frozen critic(generator(z))),
+``frozen_twice`` (the same and frozen critic(real) in one loss) or
 ``config_optimizer`` (the student's optimizer comes from its DeepSpeed config).
 """
 
@@ -29,7 +30,7 @@ class FrozenModule(pl.LightningModule):
         super().__init__()
         self.case, self.steps = case, steps
         self.automatic_optimization = False  # user-managed accumulation
-        if case == "frozen_middle":
+        if case in patterns.FROZEN_IN_THE_MIDDLE:
             self.trained, _ = patterns.make_modules()
             _, self.frozen = patterns.make_modules()
         elif case != "configure_model":
@@ -46,8 +47,8 @@ class FrozenModule(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt = self.optimizers()
-        if self.case == "frozen_middle":
-            patterns.frozen_middle_step(self.trained, self.frozen, batch, opt, self.manual_backward)
+        if self.case in patterns.FROZEN_IN_THE_MIDDLE:
+            patterns.FROZEN_IN_THE_MIDDLE[self.case](self.trained, self.frozen, batch, opt, self.manual_backward)
         else:
             patterns.distill_step(self.frozen, self.trained, batch, opt, self.manual_backward)
 
@@ -103,6 +104,11 @@ def main() -> None:
                 "frozen_has_optimizer_state": bool(getattr(s.engines["frozen"], "basic_optimizer", None)),
                 "frozen_offloads_parameters": bool(s.engines["frozen"].zero_offload_param()),
                 "dtype": str(next(s.lightning_module.trained.parameters()).dtype),  # fp32 again after teardown
+                "in_use": [  # ZeRO-3 parameters a submodule still marks as in use after the last step
+                    name
+                    for name, p in s.lightning_module.named_parameters()
+                    if getattr(p, "ds_active_sub_modules", None)
+                ],
             }
         )
         summary = ModelSummary()

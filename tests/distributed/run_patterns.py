@@ -105,6 +105,8 @@ VARIANT_CONFIGS = {"small_buckets": SMALL_BUCKETS, "offload": OFFLOAD}
 
 def backward_state(engine) -> dict[str, float]:
     state = {"running_backward": int(engine._running_engine_backward_count), "clipping": engine.gradient_clipping()}
+    # ZeRO-3 parameters still marked in use by a submodule once the step is over: gathered for good
+    state["in_use"] = sum(bool(getattr(p, "ds_active_sub_modules", None)) for p in engine.module.parameters())
     if isinstance(engine.optimizer, ZeROOptimizer):
         state["depth"] = int(engine.optimizer._backward_active_depth)
     return state

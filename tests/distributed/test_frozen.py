@@ -48,7 +48,7 @@ def assert_frozen(result: dict, frozen_stage: int) -> None:
 
 def assert_summary_counts_whole(result: dict) -> None:
     """Lightning's model summary counts every submodule's parameters whole, a ZeRO-3 engine's too."""
-    if result["case"] == "frozen_middle":
+    if result["case"] in patterns.FROZEN_IN_THE_MIDDLE:
         (trained, _), (_, frozen) = patterns.make_modules(), patterns.make_modules()
     else:
         frozen, trained = patterns.make_distill_modules()
@@ -86,6 +86,20 @@ def test_frozen_engine_in_the_middle_at_every_stage(tmp_path: Path) -> None:
     for spec in specs:
         assert_matches_reference(results[spec], "frozen_middle")
         assert_frozen(results[spec], int(spec.split(":")[1]))
+
+
+def test_a_frozen_zero3_engine_called_twice_in_one_loss(tmp_path: Path) -> None:
+    """loss = critic(G(z)) + critic(real): the critic's backward runs for its first call only.
+
+    DeepSpeed's count of the gradients a submodule waits for restarts at each call, so the backward did not
+    release the critic's parameters: they stayed gathered and marked in use, and the next partition failed.
+    """
+    specs = ["frozen_twice:3:0", "frozen_twice:3:3"]
+    results = train(tmp_path, "32-true", *specs)
+    for spec in specs:
+        assert results[spec]["in_use"] == []
+        assert_matches_reference(results[spec], "frozen_twice")
+        assert_frozen(results[spec], 3)
 
 
 def test_optimizer_from_the_deepspeed_config(tmp_path: Path) -> None:
