@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -52,10 +53,19 @@ def sharded_loader(module: pl.LightningModule, data: torch.Tensor, batch_size: i
 
 
 def finish() -> None:
-    """End a runner cleanly: wait for every rank, then shut the process group down before the interpreter exits."""
+    """End a runner whose work is done: wait for every rank, shut the process group down, and exit at once.
+
+    The exit skips the interpreter's finalization: there, tensors still held by gloo's worker threads can be
+    freed after Python is gone, which aborts the process ("terminate called without an active exception", seen
+    once in CI on torch 2.11 after every result was written; pytorch/pytorch#179291 describes the race). A rank
+    that failed raised before it got here, so its exit code still says so.
+    """
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class AtFitEnd(pl.Callback):
