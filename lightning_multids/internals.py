@@ -35,6 +35,8 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -120,6 +122,10 @@ _OPTIMIZER_ATTRIBUTES: dict[type, tuple[str, ...]] = {
     ),
     BF16_Optimizer: ("clip_grad",),
 }
+
+
+_OPTIMIZER_ATTRIBUTES[FP16_Optimizer] = ("optimizer", "fp16_groups_flat", "fp32_groups_flat")
+_OPTIMIZER_ATTRIBUTES[FP16_UnfusedOptimizer] = ("optimizer", "fp16_groups", "fp32_groups")
 
 
 class UnsupportedDeepSpeed(RuntimeError):
@@ -377,6 +383,38 @@ def clear_after_step(engine: DeepSpeedEngine) -> None:
             _clear_offloaded_zero3_gradients(optimizer)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.cpu_offload:
         _clear_offloaded_partition_gradients(optimizer)
+
+
+def undo_initial_step(engine: DeepSpeedEngine) -> None:
+    """Undo the step DeepSpeed's fp16/bf16 stage-0 wrappers take with zero gradients when they are built.
+
+    ``FP16_Optimizer`` and ``FP16_UnfusedOptimizer`` (ZeRO-0 with fp16, or bf16 with an optimizer other than
+    ``BF16_Optimizer``'s) call the wrapped optimizer's ``step()`` once on zero gradients to create its state
+    (0.19.8: ``initialize_optimizer_states``). Adam then counts a step it never took, so its first real update
+    is 0.74 of plain PyTorch's; weight decay shrinks the fp32 master weights once. PyTorch's optimizers create
+    their state at their first step: the state is dropped (Adagrad's, made at construction, keeps its sums
+    and loses the step) and the master weights are copied again from the module's.
+    """
+    optimizer = engine.optimizer
+    if isinstance(optimizer, FP16_Optimizer):
+        masters = list(zip(optimizer.fp32_groups_flat, optimizer.fp16_groups_flat, strict=True))
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):
+        masters = [
+            pair
+            for hp, lp in zip(optimizer.fp32_groups, optimizer.fp16_groups, strict=True)
+            for pair in zip(hp, lp, strict=True)
+        ]
+    else:
+        return
+    inner = optimizer.optimizer
+    if isinstance(inner, torch.optim.Adagrad):
+        for state in inner.state.values():
+            state["step"].zero_()
+    else:
+        inner.state.clear()
+    with torch.no_grad():
+        for master, weights in masters:
+            master.copy_(weights)
 
 
 def _initial_micro_step_id() -> int:

@@ -167,6 +167,7 @@ def _add_trainable(
     result: EngineSet, name: str, engine: DeepSpeedEngine, optimizer: Optimizer, params: list[list[nn.Parameter]]
 ) -> None:
     internals.check_engine(name, engine)
+    internals.undo_initial_step(engine)
     handles = attach(name, engine) + result.router.watch(name, engine)
     result.add_trainable(name, engine, optimizer, params, handles)
 
