@@ -1,13 +1,8 @@
 """lightning_multids: one DeepSpeed engine per submodule of a LightningModule."""
 
-from lightning_multids.environment import (
-    hide_zero_deprecations,
-    keep_extensions_in_environment,
-    quiet_accelerator_guess,
-)
+from lightning_multids.environment import keep_extensions_in_environment, quiet_accelerator_guess
 
 keep_extensions_in_environment()
-hide_zero_deprecations()
 try:
     with quiet_accelerator_guess():
         import deepspeed  # noqa: F401  (a hard requirement: the strategy is DeepSpeed engines)

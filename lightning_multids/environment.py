@@ -8,11 +8,15 @@
 - DeepSpeed warns on import, on every machine without a GPU, that it set its accelerator to the CPU because
   it found no GPU. The strategy sets DeepSpeed's accelerator from the Trainer's anyway
   (:mod:`lightning_multids.accelerator`), so that one message is dropped while DeepSpeed is imported here.
-- torch 2.13 deprecates ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which DeepSpeed 0.19.8's ZeRO
-  calls at every gather and reduction. Python's "once per place" does not hold during a fit (the registry that
-  remembers a warning is cleared whenever the warning filters change), so a ZeRO-3 engine printed them at
-  every step, over a thousand lines per run, about a call the user did not write and cannot change. Those
-  two messages are not shown.
+
+While the strategy's engines live (from its ``setup`` to its ``teardown``), one more thing:
+
+- torch 2.13 and 2.14 deprecate ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which DeepSpeed 0.19.8's
+  ZeRO calls at every gather and reduction (torch 2.15 no longer does). Python's "once per place" does not hold
+  during a fit (the registry that remembers a warning is cleared whenever the warning filters change), so a ZeRO-3
+  engine printed them at every step, over a thousand lines per run, about a call the user did not write and
+  cannot change. Those two messages are not shown then; the filter is installed only where torch marks the
+  functions deprecated, and removed at teardown.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import cast
+
+import torch.distributed
 
 EXTENSIONS_VARIABLE = "TORCH_EXTENSIONS_DIR"
 DEEPSPEED_LOGGER = "DeepSpeed"
@@ -35,9 +42,29 @@ ZERO_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatte
 """The torch 2.13 deprecations that DeepSpeed 0.19.8's ZeRO collectives trigger (``torch/distributed``)."""
 
 
-def hide_zero_deprecations() -> None:
-    """Do not show the FutureWarnings of :data:`ZERO_DEPRECATIONS` (DeepSpeed's calls, not the user's)."""
+ZERO_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def hide_zero_deprecations() -> Callable[[], None]:
+    """Stop showing the FutureWarnings of :data:`ZERO_DEPRECATIONS` (DeepSpeed's calls, not the user's).
+
+    Returns what shows them again. Nothing is hidden where torch does not deprecate the functions (it marks them
+    with ``__deprecated__``, PEP 702): there is nothing to hide, and a filter would be a needless side effect.
+    """
+    if not any(hasattr(getattr(torch.distributed, name, None), "__deprecated__") for name in ZERO_COLLECTIVES):
+        return _nothing
     warnings.filterwarnings("ignore", message=ZERO_DEPRECATIONS, category=FutureWarning)
+    added = warnings.filters[0]
+
+    def show_again() -> None:
+        with suppress(ValueError):  # already gone, e.g. the user reset the filters
+            cast(list, warnings.filters).remove(added)  # a list at run time; typeshed says Sequence
+
+    return show_again
+
+
+def _nothing() -> None:
+    pass
 
 
 def default_extensions_dir() -> Path:

@@ -36,7 +36,7 @@ reduce-scatter at stage 2/3) and the ZeRO-3 module hooks that gather and release
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -46,6 +46,12 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_multids import internals
 from lightning_multids.discovery import UNWALKED, Reach
+
+_queue_callback: Callable[[Callable[[], None]], None] = (
+    getattr(torch.autograd.graph, "queue_callback", None) or torch.autograd.Variable._execution_engine.queue_callback
+)
+"""Run a function when the current backward's graph task ends: public from torch 2.15; before it (2.11-2.14) the
+same call on the private execution engine."""
 
 
 @dataclass
@@ -187,7 +193,7 @@ class Router:
         phases.arrived.setdefault(index, len(phases.arrived) + 1)
         if task not in (route.root_task, -1) and task not in phases.ended:
             phases.ended.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: _end_phase(engine, phases))
+            _queue_callback(lambda: _end_phase(engine, phases))
         factor = route.factors.get(name, 1.0)
         return grad * factor if factor != 1.0 else None
 

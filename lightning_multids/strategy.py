@@ -33,6 +33,7 @@ from lightning_multids.data import forget_requested
 from lightning_multids.discovery import check_engine_names
 from lightning_multids.ema import EmaArgument, average_entries, check_average_names, parse_averages
 from lightning_multids.engines import EngineSet
+from lightning_multids.environment import hide_zero_deprecations
 from lightning_multids.gathering import gathered
 from lightning_multids.lifecycle import (
     agree_on_failure,
@@ -123,6 +124,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._entries = average_entries(self.averages, self.engine_configs)
         self._engine_set = EngineSet()
         self._restore_summary: Callable[[], None] = _nothing
+        self._show_zero_deprecations: Callable[[], None] = _nothing
 
     @property
     def engine_overrides(self) -> dict[str, dict[str, Any]]:
@@ -190,6 +192,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         also leaves the move to DeepSpeed.
         """
         assert self.accelerator is not None and self.model is not None
+        self._show_zero_deprecations()  # a setup after one whose teardown did not run
+        self._show_zero_deprecations = hide_zero_deprecations()
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
@@ -486,6 +490,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         release_engines(self._engine_set)
         self._restore_summary()
         self._restore_summary = _nothing
+        self._show_zero_deprecations()
+        self._show_zero_deprecations = _nothing
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             forget_requested(self.lightning_module.trainer)  # the dataloaders the engines were sized from
         super().teardown()  # as DDP: reverts sync_batchnorm, moves the module to the CPU

@@ -22,6 +22,7 @@ from deepspeed import DeepSpeedEngine
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids.environment import ZERO_DEPRECATIONS
 from tests import patterns
 from tests.distributed.common import cpu_trainer, finish, sharded_loader
 
@@ -39,8 +40,10 @@ class Lifecycle(pl.LightningModule):
         self.made: list[torch.optim.Optimizer] = []
         self.test_inputs: list[torch.Tensor] = []
         self.test_outputs: list[torch.Tensor] = []
+        self.filters_in_fit = 0
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.filters_in_fit = zero_deprecation_filters()
         opt_g, opt_d = self.optimizers()
         patterns.gan(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
         with torch.no_grad():
@@ -63,6 +66,11 @@ class Lifecycle(pl.LightningModule):
         return self.train_dataloader()
 
 
+def zero_deprecation_filters() -> int:
+    """The warning filters that hide torch's deprecations of DeepSpeed's ZeRO collectives."""
+    return sum(f[1] is not None and f[1].pattern == ZERO_DEPRECATIONS for f in warnings.filters)
+
+
 def leftovers(module: Lifecycle) -> dict[str, Any]:
     """What the strategy or DeepSpeed may have left on the module, its optimizers and in memory."""
     gc.collect()
@@ -76,6 +84,7 @@ def leftovers(module: Lifecycle) -> dict[str, Any]:
         "optimizer_hooks": sum(len(o._optimizer_step_pre_hooks) for o in module.made),
         "patched": sorted(n for n, m in module.named_children() if "train" in m.__dict__),
         "live_engines": sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()),
+        "warning_filters": zero_deprecation_filters(),
     }
 
 
@@ -97,6 +106,7 @@ def main() -> None:
         trainer = cpu_trainer(strategy(stage), enable_checkpointing=False, use_distributed_sampler=False)
         trainer.fit(module)
         results[f"fit{fit}"] = leftovers(module)
+        results[f"fit{fit}_filters_in_fit"] = module.filters_in_fit
     results["weights"] = {k: v.float().clone() for k, v in trainer.strategy.consolidated_state_dict().items()}
     try:
         trainer.save_checkpoint(f"{out}.after_fit.ckpt")

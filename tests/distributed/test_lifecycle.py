@@ -7,12 +7,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_multids.environment import ZERO_COLLECTIVES
 from tests import patterns
 from tests.distributed import run_lifecycle
 from tests.distributed.harness import run_ranks
 from tests.distributed.test_patterns import TOLERANCE, assert_matches
 
-NOTHING_LEFT = {"module_hooks": 0, "param_hooks": 0, "optimizer_hooks": 0, "patched": [], "live_engines": 0}
+NOTHING_LEFT = {
+    "module_hooks": 0,
+    "param_hooks": 0,
+    "optimizer_hooks": 0,
+    "patched": [],
+    "live_engines": 0,
+    "warning_filters": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +34,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_teardown_removes_every_hook_patch_and_engine(results: dict, after: str) -> None:
     assert results["before"] == NOTHING_LEFT
     assert results[after] == NOTHING_LEFT
+
+
+@pytest.mark.parametrize("fit", ["fit0", "fit1"])
+def test_zero_deprecations_are_hidden_during_fit_where_torch_has_them(results: dict, fit: str) -> None:
+    """torch 2.13/2.14 deprecate the collectives DeepSpeed's ZeRO calls; the filter lives only while engines do."""
+    deprecated = any(hasattr(getattr(torch.distributed, n), "__deprecated__") for n in ZERO_COLLECTIVES)
+    assert results[f"{fit}_filters_in_fit"] == int(deprecated)
 
 
 def test_a_second_fit_on_the_same_module_trains_on_from_the_first(results: dict) -> None:

@@ -77,17 +77,13 @@ def test_a_torch_extensions_dir_set_by_the_user_wins(tmp_path: Path) -> None:
     assert result.stdout.splitlines()[-1] == str(tmp_path)
 
 
-def test_import_hides_the_zero_collectives_deprecations_and_no_other_warning() -> None:
-    """torch 2.13's FutureWarnings for DeepSpeed's ZeRO collectives are not shown; other FutureWarnings are."""
+def test_import_installs_no_warning_filter() -> None:
+    """torch's deprecations of DeepSpeed's ZeRO collectives are hidden while engines live, not by ``import``."""
     code = (
         "import warnings, lightning_multids\n"
-        "for name in ('all_gather_into_tensor', 'reduce_scatter_tensor'):\n"
-        "    warnings.warn(f'`torch.distributed.{name}` is deprecated. Please use another.', FutureWarning)\n"
-        "warnings.warn('`torch.distributed.broadcast` is deprecated.', FutureWarning)\n"
+        "warnings.warn('`torch.distributed.all_gather_into_tensor` is deprecated.', FutureWarning)\n"
     )
-    stderr = run_python(code).stderr
-    assert "all_gather_into_tensor" not in stderr and "reduce_scatter_tensor" not in stderr
-    assert "`torch.distributed.broadcast` is deprecated." in stderr
+    assert "all_gather_into_tensor" in run_python(code).stderr
 
 
 def test_run_summary_names_a_command_by_its_path_when_not_on_path(
