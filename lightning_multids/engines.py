@@ -26,7 +26,7 @@ from lightning_multids.ema import Averager
 from lightning_multids.gradients import full_gradients
 from lightning_multids.optimizer import EngineOptimizer
 from lightning_multids.precision import loss_scaling
-from lightning_multids.routing import Router
+from lightning_multids.routing import Router, refuse_uneven_zero3
 
 
 @dataclass
@@ -154,6 +154,10 @@ class EngineSet:
         else:  # fp16 at different scales: the loss is scaled for the engines it reaches, found by a walk
             reach = reached_engines(loss, self.owners)
             scale, factors = loss_scaling(scales if reach.hidden else {n: scales[n] for n in reach.names})
+        zero3 = sorted(name for name, engine in trainable.items() if engine.zero_optimization_stage() == 3)
+        if zero3 and _several_ranks():
+            walked = reach if reach is not UNWALKED else reached_engines(loss, self.owners)
+            refuse_uneven_zero3(walked, zero3, trainable[zero3[0]].device)
         with self.router.routed(loss, trainable, reach, factors) as route:
             try:
                 yield loss * scale if scale != 1.0 else loss

@@ -326,6 +326,35 @@ def agree(route: Route) -> set[str]:
     return uneven
 
 
+def refuse_uneven_zero3(reach: Reach, zero3: list[str], device: torch.device) -> None:
+    """Before a backward on several ranks: refuse, on every rank, a loss that reaches a ZeRO-3 engine on some only.
+
+    A ZeRO-3 engine's backward gathers its parameters submodule by submodule, collectives that a rank whose loss
+    does not reach the engine never joins: the others would wait in them until the collective timeout (a gloo
+    error, or an NCCL hang). One all-reduce (MAX) of 1 + 2 integers per trained ZeRO-3 engine (``zero3``), of what
+    each rank's graph reaches (``reach``, from a walk). Where a rank's graph holds a reentrant activation
+    checkpoint, what it reaches is not known before the backward, and nothing is refused.
+
+    Raises:
+        RuntimeError: on every rank, naming the first such engine and the fix.
+    """
+    local = [int(name in reach.names) for name in zero3]
+    state = torch.tensor([int(reach.hidden), *local, *(-value for value in local)], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(state, op=torch.distributed.ReduceOp.MAX)
+    values = state.tolist()
+    if values[0]:
+        return
+    for index, name in enumerate(zero3):
+        if values[1 + index] != -values[1 + len(zero3) + index]:
+            raise RuntimeError(
+                f"The loss reaches the ZeRO-3 engine {name!r} on some ranks and not on others. ZeRO-3 gathers "
+                f"{name!r}'s parameters during its backward, collectives every rank must join, so the ranks would "
+                "wait for each other until the collective timeout. Give the loss the same terms on every rank (a "
+                f"term that does not apply on a rank can be kept with weight zero: `loss + 0.0 * term`), or use "
+                f"ZeRO-0/1/2 for {name!r}, where the strategy evens the gradients out after the backward."
+            )
+
+
 def _refuse_reduced_uneven(name: str) -> None:
     raise RuntimeError(
         f"The loss reached engine {name!r} (or some of its parameters) on some ranks and not on others, and ZeRO-2/3 "

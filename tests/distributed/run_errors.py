@@ -111,6 +111,15 @@ def penalty_only(module: GAN, batch: torch.Tensor) -> None:
     module.manual_backward((grad.pow(2).sum(1) - 1).pow(2).mean())
 
 
+def reaches_on_rank_zero_only(module: GAN, batch: torch.Tensor) -> None:
+    """Both engines called on every rank; D's term added on rank 0 only (a data-dependent term)."""
+    real, z = patterns.split(batch)
+    fake = module.generator(z)
+    loss = fake.pow(2).mean()
+    adversarial = module.discriminator(fake).mean()
+    module.manual_backward(loss + adversarial if module.global_rank == 0 else loss)
+
+
 def reads_inside_no_sync(module: GAN, batch: torch.Tensor) -> None:
     real, z = patterns.split(batch)
     with module.trainer.strategy.no_sync():
@@ -194,6 +203,10 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "autograd_backward": (lambda: GAN(autograd_backward), {"stage": 3}),
     "autograd_grad_allowed": (lambda: GAN(gradients_by_autograd_grad), {"stage": 2}),
     "penalty_through_zero3": (lambda: GAN(penalty_only), {"stage": 3}),
+    "uneven_reach_zero3": (
+        lambda: GAN(reaches_on_rank_zero_only),
+        {"stage": 1, "engines": {"discriminator": {"zero_optimization": {"stage": 3}}}},
+    ),
     **{f"full_gradients_in_no_sync_zero{s}": (lambda: GAN(reads_inside_no_sync), {"stage": s}) for s in (2, 3)},
 }
 
