@@ -94,10 +94,12 @@ class EngineSet:
         """The live trainable engines by name, in optimizer order (none after :meth:`release`)."""
         return {o.name: self.engines[o.name] for o in self.optimizers if o.name in self.engines}
 
-    @property
-    def _frozen_zero3_engines(self) -> list[DeepSpeedEngine]:
+    def _release_frozen_leftovers(self) -> None:
+        """After a backward, ended or failed: release what it gathered of frozen ZeRO-3 engines and left gathered."""
         trained = {optimizer.name for optimizer in self.optimizers}
-        return [e for n, e in self.engines.items() if n not in trained and e.zero_optimization_stage() == 3]
+        for name, engine in self.engines.items():
+            if name not in trained and engine.zero_optimization_stage() == 3:
+                internals.release_after_backward(engine)
 
     def clear_gradients(self) -> None:
         """Clear every trainable engine's gradients, as ``opt.zero_grad()`` on each would."""
@@ -163,10 +165,10 @@ class EngineSet:
                 yield loss * scale if scale != 1.0 else loss
             except BaseException as error:
                 self._mark_gradients(route.entered, False)  # routed() drops them
+                self._release_frozen_leftovers()
                 self._explain_released_weights(error)
                 raise
-        for engine in self._frozen_zero3_engines:
-            internals.release_after_backward(engine)
+        self._release_frozen_leftovers()
         if not route.entered:
             self._refuse_untrained()
         self.backward_calls += 1

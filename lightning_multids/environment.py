@@ -53,8 +53,11 @@ def hide_zero_deprecations() -> Callable[[], None]:
     """
     if not any(hasattr(getattr(torch.distributed, name, None), "__deprecated__") for name in ZERO_COLLECTIVES):
         return _nothing
+    before = list(warnings.filters)
     warnings.filterwarnings("ignore", message=ZERO_DEPRECATIONS, category=FutureWarning)
     added = warnings.filters[0]
+    if added in before:  # the same filter was there (the user's, or an outer fit's): it stays theirs to remove
+        return _nothing
 
     def show_again() -> None:
         with suppress(ValueError):  # already gone, e.g. the user reset the filters

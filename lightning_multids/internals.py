@@ -392,8 +392,9 @@ def undo_initial_step(engine: DeepSpeedEngine) -> None:
     ``BF16_Optimizer``'s) call the wrapped optimizer's ``step()`` once on zero gradients to create its state
     (0.19.8: ``initialize_optimizer_states``). Adam then counts a step it never took, so its first real update
     is 0.74 of plain PyTorch's; weight decay shrinks the fp32 master weights once. PyTorch's optimizers create
-    their state at their first step: the state is dropped (Adagrad's, made at construction, keeps its sums
-    and loses the step) and the master weights are copied again from the module's.
+    their state at their first step: the state is dropped (Adagrad's, made at construction, is set back to what
+    the constructor made) and the master weights are copied again from the module's. A step count an optimizer
+    keeps in its parameter groups instead of its state (not torch's) still counts the extra step.
     """
     optimizer = engine.optimizer
     if isinstance(optimizer, FP16_Optimizer):
@@ -407,9 +408,11 @@ def undo_initial_step(engine: DeepSpeedEngine) -> None:
     else:
         return
     inner = optimizer.optimizer
-    if isinstance(inner, torch.optim.Adagrad):
-        for state in inner.state.values():
-            state["step"].zero_()
+    if isinstance(inner, torch.optim.Adagrad):  # as its constructor left it: weight decay made the sums nonzero
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param]["step"].zero_()
+                inner.state[param]["sum"].fill_(group["initial_accumulator_value"])
     else:
         inner.state.clear()
     with torch.no_grad():

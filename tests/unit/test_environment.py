@@ -52,3 +52,14 @@ def test_nothing_installed_where_torch_does_not_deprecate_them(monkeypatch: pyte
         assert list(warnings.filters) == before
         hide_zero_deprecations()
         assert list(warnings.filters) == before
+
+
+def test_a_filter_that_was_there_already_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same filter set before (by the user, or an outer fit) is theirs: removing ours must not take it."""
+    deprecated(monkeypatch, marked=True)
+    with warnings.catch_warnings():
+        outer = hide_zero_deprecations()
+        hide_zero_deprecations()()
+        assert shown(MESSAGES) == []
+        outer()
+        assert shown(MESSAGES) == MESSAGES
