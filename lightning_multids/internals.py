@@ -356,9 +356,14 @@ def _clear_offloaded_zero3_gradients(optimizer: DeepSpeedZeroOptimizer_Stage3) -
     parameters a step reached are copied in (0.19.8: ``_offload_grad_partition_at_boundary``), so the others kept
     the last step's gradient. The copies run on ``reduce_and_partition_stream``, waited for first.
     """
+    _wait_for_zero3_partitioning(optimizer)
+    _zero_gradients_of(optimizer.fp32_partitioned_groups_flat)
+
+
+def _wait_for_zero3_partitioning(optimizer: DeepSpeedZeroOptimizer_Stage3) -> None:
+    """Wait for ZeRO-3's reductions and gradient copies, which run on its own stream (as DeepSpeed's reads do)."""
     if not get_accelerator().resolves_data_dependency():
         optimizer.reduce_and_partition_stream.synchronize()
-    _zero_gradients_of(optimizer.fp32_partitioned_groups_flat)
 
 
 def _zero_gradients_of(partitions: list[torch.Tensor]) -> None:
@@ -561,8 +566,7 @@ def _offloaded_zero3_gradient(optimizer: DeepSpeedZeroOptimizer_Stage3, param: t
     Until then the gradient is in the partition buffer the backward accumulates into, gathered here as
     ``get_fp32_grad_for_param`` gathers it without offload.
     """
-    if not get_accelerator().resolves_data_dependency():
-        optimizer.reduce_and_partition_stream.synchronize()
+    _wait_for_zero3_partitioning(optimizer)
     partition = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition[param.ds_id]  # type: ignore[attr-defined]
     return optimizer._fp32_state_allgather(param, partition.to(get_accelerator().current_device_name()).float())
 
