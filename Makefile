@@ -1,23 +1,42 @@
 # Every target builds its own .venv: torch first and pinned (so no CUDA build is pulled in),
 # then deepspeed and the project without build isolation (deepspeed's build imports torch).
-# `make test-compat` runs the suite again in .venv-torch$(COMPAT_TORCH) with the oldest supported torch
-# (the package index's CUDA build, about 4.6 GB; it runs on CPU).
 PYTHON ?= python3
-TORCH_SPEC ?= torch==2.13.0
+PINNED_TORCH := 2.13.0
+TORCH_SPEC ?= torch==$(PINNED_TORCH)
 # Where torch comes from: empty for pip's configured index (PyPI: a CUDA build on Linux), or e.g.
 # https://download.pytorch.org/whl/cpu for PyTorch's CPU-only wheels.
 TORCH_INDEX ?=
-COMPAT_TORCH ?= 2.11.0
+TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+# A folder to download torch's wheels into once and install them from (empty: pip's own cache decides).
+# CI's lanes set it: the registry that CI's machine reaches does not let pip cache them, and torch's CUDA
+# builds are 4-5 GB.
+WHEELHOUSE ?=
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PYTEST_ARGS ?= tests
 
-.PHONY: install demo test test-all test-readme test-compat test-gpu pytest fuzz lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-generation bench-gpu clean
+# CI's lanes, each "Python torch", each in a venv of its own: `make test-all` runs ruff, mypy, the whole suite
+# and the README's commands on the pinned lane, and the whole suite on the oldest and the newest.
+# pyproject.toml admits the lanes' Pythons and torches and what lies between, nothing wider
+# (tests/unit/test_packaging.py reads the lanes with `make print-lanes` and checks that test-all runs them).
+PINNED_LANE := 3.11 $(PINNED_TORCH)
+OLDEST_LANE := 3.11 2.11.0
+NEWEST_LANE := 3.13 2.15.0
+LANE_TESTS := tests
+LANE_WHEELHOUSE := $(HOME)/.cache/lightning-multids/wheels/$(if $(TORCH_INDEX),$(notdir $(TORCH_INDEX)),default)
+# A lane's interpreter: .ci/cpython.sh MINOR prints python$(MINOR) from PATH, or CPython built once from
+# Debian's source package and cached outside the checkout.
+CPYTHON := .ci/cpython.sh
+
+.NOTPARALLEL:
+.PHONY: install demo test test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu pytest fuzz lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-generation bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel "setuptools>=77"
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(if $(WHEELHOUSE),$(PY) -m pip download --quiet --dest $(WHEELHOUSE) "$(TORCH_SPEC)" $(TORCH_INDEX_ARG))
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE),$(TORCH_INDEX_ARG))
 	$(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.19.8,<0.20"
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
@@ -27,14 +46,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/lightning-multids fit --config configs/gan.yaml
 
-# The README's test command: lint, types, the suite on the pinned torch and on the oldest supported one, and
-# the README's own commands run as printed on a fresh clone of HEAD (tests/readme).
-test-all: test test-compat test-readme
+# The README's test command: CI's three lanes, then the README's own commands run as printed on a fresh clone
+# of HEAD (tests/readme), from the pinned lane's venv.
+test-all: test-pinned test-oldest test-newest
+	$(MAKE) lane LANE="$(PINNED_LANE)" LANE_TARGETS=test-readme
 
 test: lint typecheck pytest
 
+# tests/unit/test_packaging.py checks that the venv runs EXPECTED_PYTHON (a lane's) and the torch installed first.
 pytest: $(STAMP)
-	$(PY) -m pytest tests
+	EXPECTED_TORCH="$(TORCH_SPEC)" EXPECTED_PYTHON="$(EXPECTED_PYTHON)" $(PY) -m pytest $(PYTEST_ARGS)
 
 # The differential fuzzer over a range of seeds (tests/fuzz): each seed's case trained on 2 CPU ranks and in plain
 # PyTorch, classified, failures shrunk; the report in outputs/fuzz/. `make test` runs a fixed slice of it.
@@ -46,8 +67,25 @@ fuzz: $(STAMP)
 test-readme: $(STAMP)
 	README_DOCTEST=1 $(PY) -m pytest tests/readme -rs
 
-test-compat:
-	$(MAKE) pytest VENV=.venv-torch$(COMPAT_TORCH) TORCH_SPEC=torch==$(COMPAT_TORCH)
+test-pinned:
+	$(MAKE) lane LANE="$(PINNED_LANE)" LANE_TARGETS="lint typecheck pytest"
+
+test-oldest:
+	$(MAKE) lane LANE="$(OLDEST_LANE)"
+
+test-newest:
+	$(MAKE) lane LANE="$(NEWEST_LANE)"
+
+# `make lane LANE="3.13 2.15.0"`: LANE_TARGETS (default: the suite) in .venv-py3.13-torch2.15.0.
+LANE_TARGETS ?= pytest
+lane:
+	$(if $(word 2,$(LANE)),,$(error make lane needs LANE="PYTHON TORCH", e.g. LANE="3.13 2.15.0"))
+	python=$$($(CPYTHON) $(word 1,$(LANE))) && $(MAKE) $(LANE_TARGETS) PYTHON="$$python" \
+		VENV=.venv-py$(word 1,$(LANE))-torch$(word 2,$(LANE)) TORCH_SPEC=torch==$(word 2,$(LANE)) \
+		WHEELHOUSE=$(LANE_WHEELHOUSE) PYTEST_ARGS="$(LANE_TESTS)" EXPECTED_PYTHON=$(word 1,$(LANE))
+
+print-lanes:
+	@printf '%s\n' "$(PINNED_LANE)" "$(OLDEST_LANE)" "$(NEWEST_LANE)"
 
 # The GPU suite (pytest marker `gpu`): one process on one GPU, nccl. Where there is no CUDA it prints
 # "no CUDA" and skips. On a machine whose packages are on PYTHONPATH: `make test-gpu GPU_PYTHON=python3`.
@@ -113,4 +151,4 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) lightning_logs outputs .pytest_cache
+	rm -rf $(VENV) .venv-py*-torch* lightning_logs outputs .pytest_cache

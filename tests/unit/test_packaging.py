@@ -1,0 +1,127 @@
+"""What ``pyproject.toml`` admits is what CI runs, and installing the project keeps the torch already there.
+
+The lanes are read from the Makefile (``make print-lanes``). A dry run of ``make test-all`` shows that each is
+run: a venv made with the lane's Python, the lane's torch installed into it, and the whole suite run in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parents[2]
+MAKE_VARIABLES = ("VENV", "TORCH_SPEC", "TORCH_INDEX", "PYTHON", "PYTEST_ARGS", "WHEELHOUSE", "CPYTHON", "LANE")
+"""Variables the Makefile reads that a lane (or the user) may have in the environment, with make's own."""
+
+
+def make(*args: str) -> str:
+    inherited = (*MAKE_VARIABLES, "EXPECTED_", "MAKE", "MFLAGS")
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
+    proc = subprocess.run(
+        ["make", "--no-print-directory", *args], cwd=REPO, env=environment, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def lanes() -> set[tuple[str, str]]:
+    """The Makefile's lanes as (Python minor, torch version)."""
+    return {(python, torch) for python, torch in (line.split() for line in make("-s", "print-lanes").splitlines())}
+
+
+def dry_run_of_test_all() -> list[str]:
+    """The commands ``make test-all`` runs, each lane's Python shown as ``python MINOR``."""
+    return make("-n", "-B", "test-all", "CPYTHON=echo python").splitlines()
+
+
+def whole_suite_runs(commands: list[str]) -> set[tuple[str, str]]:
+    """(Python minor, torch version) of every venv that the commands make and run the whole suite in."""
+    pythons, torches, suites = {}, {}, set()
+    for command in commands:
+        if made := re.fullmatch(r"python (\d+\.\d+) -m venv (\S+)", command):
+            pythons[made[2]] = made[1]
+        elif installed := re.match(r"(\S+)/bin/python -m pip install .*\"torch==([\d.]+)\"", command):
+            torches[installed[1]] = installed[2]
+        elif suite := re.fullmatch(r"(?:\S+=\S+ )*(\S+)/bin/python -m pytest tests", command):
+            suites.add(suite[1])
+    return {(pythons[venv], torches[venv]) for venv in suites if venv in pythons and venv in torches}
+
+
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def torch_specifier() -> SpecifierSet:
+    requirements = [Requirement(dependency) for dependency in pyproject()["project"]["dependencies"]]
+    pins = [requirement for requirement in requirements if requirement.name == "torch"]
+    assert len(pins) == 1 and pins[0].marker is None, f"one torch pin for every environment, not {pins}"
+    return pins[0].specifier
+
+
+def assert_admits_only(what: str, specifier: SpecifierSet, tested: list[Version]) -> None:
+    """``specifier`` admits every minor release from the oldest tested one to the newest, and no other."""
+    major = tested[0].major
+    admitted = [minor for minor in range(50) if specifier.contains(Version(f"{major}.{minor}.0"))]
+    minors = sorted(version.minor for version in tested)
+    assert admitted == list(range(minors[0], minors[-1] + 1)), (
+        f"pyproject.toml admits {what} {specifier} ({major}.x minors {admitted}); CI's lanes (Makefile) run "
+        f"{major}.{minors[0]} to {major}.{minors[-1]}: admit exactly that range, or add a lane"
+    )
+
+
+def test_make_test_all_runs_the_whole_suite_on_every_lane() -> None:
+    commands = dry_run_of_test_all()
+    assert lanes() == whole_suite_runs(commands)
+    ignored = [command for command in commands if "||" in command]
+    ignored += re.findall(r"^\t@?-.*", (REPO / "Makefile").read_text(), re.M)  # make -n drops the "-"
+    assert not ignored, f"make would go on after a failure of {ignored}"
+
+
+def test_pyproject_admits_the_pythons_of_the_lanes_and_none_beyond() -> None:
+    specifier = SpecifierSet(pyproject()["project"]["requires-python"])
+    assert_admits_only("Python", specifier, [Version(python) for python, _ in lanes()])
+
+
+def test_pyproject_admits_the_torches_of_the_lanes_and_none_beyond() -> None:
+    assert_admits_only("torch", torch_specifier(), [Version(torch) for _, torch in lanes()])
+
+
+def test_the_dry_run_parser_sees_a_lane_that_does_not_run() -> None:
+    """The parser behind the lane test: a lane whose suite is a subset, or whose venv has no torch, is not run."""
+    commands = ["python 3.13 -m venv .v", '.v/bin/python -m pip install --quiet "torch==2.15.0"']
+    assert whole_suite_runs([*commands, "X=1 .v/bin/python -m pytest tests"]) == {("3.13", "2.15.0")}
+    assert whole_suite_runs([*commands, "X=1 .v/bin/python -m pytest tests/unit"]) == set()
+    assert whole_suite_runs([commands[0], "X=1 .v/bin/python -m pytest tests"]) == set()
+
+
+def test_installing_the_project_keeps_the_installed_torch(tmp_path: Path) -> None:
+    """pip's own dry run of installing the project here, offline: it must not want another torch."""
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--no-index"]
+    proc = subprocess.run([*command, "--report", str(report), str(REPO)], capture_output=True, text=True)
+    assert proc.returncode == 0, f"pip install . would not keep torch {torch.__version__}:\n{proc.stderr[-3000:]}"
+    to_install = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
+    assert to_install == {"lightning-multids"}, f"pip install . would also install {to_install}"
+
+
+@pytest.mark.skipif(not os.environ.get("EXPECTED_TORCH"), reason="set by the Makefile's pytest target")
+def test_the_venv_runs_the_torch_it_installed_first() -> None:
+    """torch, then DeepSpeed and the project were installed: the torch that runs is still the first one."""
+    expected = Requirement(os.environ["EXPECTED_TORCH"])
+    assert expected.specifier.contains(Version(torch.__version__)), f"torch {torch.__version__} is not {expected}"
+
+
+@pytest.mark.skipif(not os.environ.get("EXPECTED_PYTHON"), reason="set by the Makefile's lanes")
+def test_the_lane_runs_its_python() -> None:
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" == os.environ["EXPECTED_PYTHON"]
