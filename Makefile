@@ -33,8 +33,10 @@ LANE_EXTENSIONS := $(HOME)/.cache/lightning-multids/torch_extensions
 CPYTHON := .ci/cpython.sh
 
 .NOTPARALLEL:
+LANE_TARGETS ?= pytest
 # A lane passes these to a sub-make on its command line; keep them out of the environment of what runs, where a
-# `make demo` of the README's test (a new user's shell) would otherwise pick them up.
+# `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
+# `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
 unexport VENV PYTHON TORCH_SPEC TORCH_INDEX WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
 .PHONY: install demo test test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu pytest fuzz lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-generation bench-gpu clean
 
@@ -83,7 +85,6 @@ test-newest:
 	$(MAKE) lane LANE="$(NEWEST_LANE)"
 
 # `make lane LANE="3.13 2.15.0"`: LANE_TARGETS (default: the suite) in .venv-py3.13-torch2.15.0.
-LANE_TARGETS ?= pytest
 lane:
 	$(if $(word 2,$(LANE)),,$(error make lane needs LANE="PYTHON TORCH", e.g. LANE="3.13 2.15.0"))
 	python=$$($(CPYTHON) $(word 1,$(LANE))) && $(MAKE) $(LANE_TARGETS) PYTHON="$$python" \
