@@ -25,9 +25,6 @@ OLDEST_LANE := 3.11 2.11.0
 NEWEST_LANE := 3.13 2.15.0
 LANE_TESTS := tests
 LANE_WHEELHOUSE := $(HOME)/.cache/lightning-multids/wheels/$(if $(TORCH_INDEX),$(notdir $(TORCH_INDEX)),default)
-# Where a lane's DeepSpeed op is built (about 47 s), once per machine, Python and torch: a lane's venv is new on
-# every fresh clone.
-LANE_EXTENSIONS := $(HOME)/.cache/lightning-multids/torch_extensions
 # A lane's interpreter: .ci/cpython.sh MINOR prints python$(MINOR) from PATH, or CPython built once from
 # Debian's source package and cached outside the checkout.
 CPYTHON := .ci/cpython.sh
@@ -37,7 +34,7 @@ LANE_TARGETS ?= pytest
 # A lane passes these to a sub-make on its command line; keep them out of the environment of what runs, where a
 # `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
 # `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
-unexport VENV PYTHON TORCH_SPEC TORCH_INDEX WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
+unexport VENV PYTHON TORCH_SPEC WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
 .PHONY: install demo test test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu pytest fuzz lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-generation bench-gpu clean
 
 $(STAMP): pyproject.toml
@@ -89,8 +86,7 @@ lane:
 	$(if $(word 2,$(LANE)),,$(error make lane needs LANE="PYTHON TORCH", e.g. LANE="3.13 2.15.0"))
 	python=$$($(CPYTHON) $(word 1,$(LANE))) && $(MAKE) $(LANE_TARGETS) PYTHON="$$python" \
 		VENV=.venv-py$(word 1,$(LANE))-torch$(word 2,$(LANE)) TORCH_SPEC=torch==$(word 2,$(LANE)) \
-		WHEELHOUSE=$(LANE_WHEELHOUSE) PYTEST_ARGS="$(LANE_TESTS)" EXPECTED_PYTHON=$(word 1,$(LANE)) \
-		TORCH_EXTENSIONS_DIR=$(LANE_EXTENSIONS)/py$(word 1,$(LANE))-torch$(word 2,$(LANE))
+		WHEELHOUSE=$(LANE_WHEELHOUSE) PYTEST_ARGS="$(LANE_TESTS)" EXPECTED_PYTHON=$(word 1,$(LANE))
 
 print-lanes:
 	@printf '%s\n' "$(PINNED_LANE)" "$(OLDEST_LANE)" "$(NEWEST_LANE)"
