@@ -53,7 +53,7 @@ def whole_suite_runs(commands: list[str]) -> set[tuple[str, str]]:
             pythons[made[2]] = made[1]
         elif installed := re.match(r"(\S+)/bin/python -m pip install .*\"torch==([\d.]+)\"", command):
             torches[installed[1]] = installed[2]
-        elif suite := re.fullmatch(r"(?:\S+=\S+ )*(\S+)/bin/python -m pytest tests", command):
+        elif suite := re.fullmatch(r"(?:EXPECTED_[A-Z]+=\S+ )*(\S+)/bin/python -m pytest tests", command):
             suites.add(suite[1])
     return {(pythons[venv], torches[venv]) for venv in suites if venv in pythons and venv in torches}
 
@@ -83,9 +83,15 @@ def assert_admits_only(what: str, specifier: SpecifierSet, tested: list[Version]
 def test_make_test_all_runs_the_whole_suite_on_every_lane() -> None:
     commands = dry_run_of_test_all()
     assert lanes() == whole_suite_runs(commands)
+    assert not ignored_failures(commands, (REPO / "Makefile").read_text())
+
+
+def ignored_failures(commands: list[str], makefile: str) -> list[str]:
+    """What lets ``make test-all`` go on, or pass, after a command fails."""
     ignored = [command for command in commands if "||" in command]
-    ignored += re.findall(r"^\t@?-.*", (REPO / "Makefile").read_text(), re.M)  # make -n drops the "-"
-    assert not ignored, f"make would go on after a failure of {ignored}"
+    ignored += re.findall(r"^\t@?-.*", makefile, re.M)  # make -n drops the "-"
+    ignored += re.findall(r"^\.IGNORE:.*|.*\$\(MAKE\).* (?:-[a-zA-Z]*i[a-zA-Z]*|--ignore-errors)\b.*", makefile, re.M)
+    return ignored
 
 
 def test_pyproject_admits_the_pythons_of_the_lanes_and_none_beyond() -> None:
@@ -100,9 +106,29 @@ def test_pyproject_admits_the_torches_of_the_lanes_and_none_beyond() -> None:
 def test_the_dry_run_parser_sees_a_lane_that_does_not_run() -> None:
     """The parser behind the lane test: a lane whose suite is a subset, or whose venv has no torch, is not run."""
     commands = ["python 3.13 -m venv .v", '.v/bin/python -m pip install --quiet "torch==2.15.0"']
-    assert whole_suite_runs([*commands, "X=1 .v/bin/python -m pytest tests"]) == {("3.13", "2.15.0")}
+    assert whole_suite_runs([*commands, "X=1 .v/bin/python -m pytest tests"]) == set()
     assert whole_suite_runs([*commands, "X=1 .v/bin/python -m pytest tests/unit"]) == set()
     assert whole_suite_runs([commands[0], "X=1 .v/bin/python -m pytest tests"]) == set()
+    assert whole_suite_runs([*commands, "EXPECTED_TORCH=torch EXPECTED_PYTHON=3.13 .v/bin/python -m pytest tests"]) == {
+        ("3.13", "2.15.0")
+    }
+    assert whole_suite_runs([*commands, "PYTEST_ADDOPTS=--lf .v/bin/python -m pytest tests"]) == set()
+
+
+@pytest.mark.parametrize(
+    "makefile",
+    [
+        "\t-$(PY) -m pytest tests",
+        ".IGNORE: lane",
+        "\t$(MAKE) -i lane",
+        "\t$(MAKE) -si lane",
+        "\t$(MAKE) --ignore-errors x",
+    ],
+)
+def test_the_failure_check_sees_what_ignores_a_failure(makefile: str) -> None:
+    assert ignored_failures([], makefile)
+    assert ignored_failures(["a || true"], "")
+    assert not ignored_failures(["make -s lane"], "\t$(MAKE) -s lane LANE=x VENV=.venv-py3.11-torch2.13.0")
 
 
 def test_installing_the_project_keeps_the_installed_torch(tmp_path: Path) -> None:
