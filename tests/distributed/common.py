@@ -16,8 +16,10 @@ import lightning_multids  # noqa: F401 (imports DeepSpeed, before the freeze bel
 # Every runner imports this module after torch, Lightning and DeepSpeed: freezing what those imports allocated
 # keeps it out of every later collection. DeepSpeed runs a full `gc.collect()` for each ZeRO-3 engine it builds
 # (`defragment`), and a runner builds dozens; over the import-time heap each took about half a second here.
-# Objects the runner creates are collected as before.
-gc.freeze()
+# Objects the runner creates are collected as before. Only in a rank's process (harness.run_ranks sets LOCAL_RANK):
+# pytest's own process imports this module too (test_ema reads run_ema's constants) and is left as it was.
+if "LOCAL_RANK" in os.environ:
+    gc.freeze()
 
 QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False}
 
