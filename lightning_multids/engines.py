@@ -68,13 +68,6 @@ class EngineSet:
         self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
         self.owners.update({id(p): name for p in engine.module.parameters()})
 
-    def forget(self) -> None:
-        """Drop every engine, hook handle and parameter owner (after ``lifecycle.release_engines``)."""
-        self.engines.clear()
-        self.handles.clear()
-        self.owners.clear()
-        self.averager = None
-
     def clip_by_default(
         self, clip: float | None, default: Mapping[str, Any], overrides: Mapping[str, Mapping[str, Any]]
     ) -> None:
@@ -91,7 +84,7 @@ class EngineSet:
 
     @property
     def trainable_engines(self) -> dict[str, DeepSpeedEngine]:
-        """The live trainable engines by name, in optimizer order (none after :meth:`release`)."""
+        """The trainable engines by name, in optimizer order."""
         return {o.name: self.engines[o.name] for o in self.optimizers if o.name in self.engines}
 
     def _release_frozen_leftovers(self) -> None:

@@ -173,16 +173,18 @@ def _add_trainable(
 
 
 def release_engines(engines: EngineSet) -> None:
-    """Undo :func:`build_engines` or :func:`build_evaluation_engines` for every engine and forget them; no collective.
+    """Undo :func:`build_engines` or :func:`build_evaluation_engines` for every engine; no collective.
 
-    ``self.optimizers()`` keeps answering for the parameter groups (learning rates) after fit, as
-    under DDP, but can no longer step.
+    Every hook and patch comes off the user's modules and optimizers and each engine is destroyed, so the engines
+    no longer run. Their states stay as long as ``engines`` is referenced: enough for ``engine.save_checkpoint``
+    (the strategy keeps a fit's engines for ``trainer.save_checkpoint`` after ``fit``). ``self.optimizers()`` keeps
+    answering for the parameter groups (learning rates) after fit, as under DDP, but can no longer step.
     """
     for optimizer in engines.optimizers:
         optimizer.release()
     for name, engine in engines.engines.items():
         detach(engine, engines.handles.get(name, []))
-    engines.forget()
+    engines.handles.clear()
 
 
 def build_engine(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -123,6 +124,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self.averages = parse_averages(ema)
         self._entries = average_entries(self.averages, self.engine_configs)
         self._engine_set = EngineSet()
+        self._fitted: EngineSet | None = None
+        """The last fit's engines from its teardown to :meth:`release`: stopped, kept for ``save_checkpoint``."""
+        self._failed = False
         self._restore_summary: Callable[[], None] = _nothing
         self._show_zero_deprecations: Callable[[], None] = _nothing
 
@@ -137,8 +141,25 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @property
     def engines(self) -> dict[str, DeepSpeedEngine]:
-        """The DeepSpeed engines from setup to teardown, keyed by submodule name, in optimizer order."""
+        """The DeepSpeed engines, keyed by submodule name, in optimizer order.
+
+        From setup to teardown, the running engines. After a ``fit`` that ended without an exception, and until
+        the next setup or :meth:`release`, that fit's engines: stopped (their hooks are off the modules), kept for
+        ``trainer.save_checkpoint`` and for reading their states.
+        """
+        if not self._engine_set.engines and self._fitted is not None:
+            return dict(self._fitted.engines)
         return dict(self._engine_set.engines)
+
+    def release(self) -> None:
+        """Free the engines a ``fit`` keeps after it ends (optimizer states, DeepSpeed's buffers); no collective.
+
+        ``trainer.save_checkpoint`` then needs a new ``fit``. The next ``fit``, ``validate``, ``test`` or
+        ``predict`` releases them first anyway.
+        """
+        if self._fitted is not None:
+            self._fitted = None
+            gc.collect()  # DeepSpeed's engines hold reference cycles: free their memory now, not at some later GC
 
     @property  # type: ignore[override]
     def checkpoint_io(self) -> CheckpointIO:
@@ -192,6 +213,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         also leaves the move to DeepSpeed.
         """
         assert self.accelerator is not None and self.model is not None
+        self.release()  # the last fit's engines, before building new ones
+        self._failed = False
         self._show_zero_deprecations()  # a setup after one whose teardown did not run
         self._show_zero_deprecations = hide_zero_deprecations()
         self.accelerator.setup(trainer)
@@ -422,15 +445,17 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("MultiDeepSpeedStrategy writes checkpoints itself: `storage_options` is not used.")
         assert self.lightning_module is not None
-        if not self._engine_set.trainable_engines:
+        engine_set = self._engine_set if self._engine_set.trainable_engines else self._fitted
+        if engine_set is None:
             raise RuntimeError(
-                "MultiDeepSpeedStrategy saves checkpoints while it fits: each engine writes its own part, and the "
-                "engines are released when `fit` ends. Save with a `ModelCheckpoint` callback (`save_last=True` "
-                "keeps the final state), or call `trainer.save_checkpoint(path)` in `on_train_end` at the latest."
+                "MultiDeepSpeedStrategy saves checkpoints from the engines of a fit: each engine writes its own part. "
+                "There are none now: no fit has run, its engines were released (`strategy.release()`, or a "
+                "`validate`/`test`/`predict` since), or it ended in an exception. Save during or right after "
+                "`trainer.fit(...)`, or with a `ModelCheckpoint` callback."
             )
-        engines, frozen = self._engine_set.engines, self._engine_set.frozen_names()
-        saved = self._engine_set.saved_names(self.save_frozen)
-        averager = self._engine_set.averager
+        engines, frozen = engine_set.engines, engine_set.frozen_names()
+        saved = engine_set.saved_names(self.save_frozen)
+        averager = engine_set.averager
         checkpoints.save(
             checkpoint,
             self.broadcast(str(filepath)),
@@ -482,12 +507,19 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Remove every hook and patch the strategy added and release the engines, then tear down as DDP does.
+        """Remove every hook and patch the strategy added and stop the engines, then tear down as DDP does.
 
         Nothing here is a collective, so it is safe after an exception on one rank. The submodules stay
-        the user's modules; ZeRO-3 ones stay partitioned (see :meth:`consolidated_state_dict`).
+        the user's modules; ZeRO-3 ones stay partitioned (see :meth:`consolidated_state_dict`). After a fit that
+        ended without an exception the stopped engines are kept, so that ``trainer.save_checkpoint`` works after
+        ``fit`` as under DDP, until :meth:`release` or the next setup.
         """
         release_engines(self._engine_set)
+        module = self.lightning_module
+        fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if fitted and not self._failed and self._engine_set.trainable_engines:
+            self._fitted = self._engine_set
+        self._engine_set = EngineSet()
         self._restore_summary()
         self._restore_summary = _nothing
         self._show_zero_deprecations()
@@ -504,6 +536,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         close, so they stop too (tested: all exit non-zero within seconds, no hang).
         """
         broken = isinstance(exception, RuntimeError) and _COLLECTIVE_FAILURE.search(str(exception))
+        self._failed = True  # teardown does not keep this fit's engines for saving
         reason = "a collective failed, most likely because another rank stopped (see its output)" if broken else ""
         log.error(  # every rank's own message, not rank zero's: which rank failed is the point
             f"[rank {self.global_rank}] MultiDeepSpeedStrategy: {type(exception).__name__}: {exception}"

@@ -6,11 +6,14 @@ The module has a generator (ZeRO-0 in the first fit, ZeRO-2 in the second), a Ze
 a frozen ZeRO-3 critic, so every kind of hook the strategy and DeepSpeed register is there during fit:
 a step pre-hook on the user's optimizer (stage 0), gradient hooks (every stage, ZeRO-2's after
 accumulation), ZeRO-3's module hooks, the input cast pre-hook and the frozen engine's ``train`` patch.
-Rank 0 saves, after each fit and after the test, the hooks and live engines it counts.
+Rank 0 saves, after each fit, after ``strategy.release()`` and after the test, the hooks and live engines it
+counts. A fit keeps its stopped engines for ``trainer.save_checkpoint`` until the next setup (the test's, on the
+same trainer) or ``release()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import warnings
@@ -66,6 +69,15 @@ class Lifecycle(pl.LightningModule):
         return self.train_dataloader()
 
 
+class FailsInFit(Lifecycle):
+    """Raises in its second training step, on every rank."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if batch_idx == 1:
+            raise ValueError("the user's error")
+        super().training_step(batch, batch_idx)
+
+
 def zero_deprecation_filters() -> int:
     """The warning filters that hide torch's deprecations of DeepSpeed's ZeRO collectives."""
     return sum(f[1] is not None and f[1].pattern == ZERO_DEPRECATIONS for f in warnings.filters)
@@ -106,14 +118,18 @@ def main() -> None:
         trainer = cpu_trainer(strategy(stage), enable_checkpointing=False, use_distributed_sampler=False)
         trainer.fit(module)
         results[f"fit{fit}"] = leftovers(module)
+        results[f"fit{fit}_engines"] = sorted(trainer.strategy.engines)
         results[f"fit{fit}_filters_in_fit"] = module.filters_in_fit
+        if fit == 0:
+            trainer.strategy.release()
+            results["released"] = leftovers(module)
+            results["released_engines"] = sorted(trainer.strategy.engines)
+            try:
+                trainer.save_checkpoint(f"{out}.after_release.ckpt")
+            except RuntimeError as error:
+                results["save_after_release"] = str(error)
     results["weights"] = {k: v.float().clone() for k, v in trainer.strategy.consolidated_state_dict().items()}
-    try:
-        trainer.save_checkpoint(f"{out}.after_fit.ckpt")
-    except RuntimeError as error:
-        results["save_after_fit"] = str(error)
-    tester = cpu_trainer(strategy(2), use_distributed_sampler=False)
-    tester.test(module)
+    trainer.test(module)  # its setup releases the fit's engines; its teardown, the test's
     results["test"] = leftovers(module)
     results["test_inputs"] = torch.cat(module.test_inputs)
     results["test_outputs"] = torch.cat(module.test_outputs)
@@ -125,6 +141,16 @@ def main() -> None:
     results["bf16_generator_dtype"] = str(next(half.generator.parameters()).dtype)
     cpu_trainer(strategy(2), precision="bf16-mixed", use_distributed_sampler=False).test(half)
     results["bf16_test_outputs"] = torch.cat(half.test_outputs)
+    # a fit that ends in an exception keeps nothing: its engines may be mid-step
+    failing = FailsInFit()
+    failed = cpu_trainer(strategy(2), enable_checkpointing=False, use_distributed_sampler=False)
+    with contextlib.suppress(ValueError):
+        failed.fit(failing)
+    results["failed"] = leftovers(failing)
+    try:
+        failed.save_checkpoint(f"{out}.after_failure.ckpt")
+    except RuntimeError as error:
+        results["save_after_failure"] = str(error)
     if trainer.global_rank == 0:
         torch.save(results, out)
 

@@ -1,7 +1,9 @@
 """Per-rank script: train 2 epochs straight, or 1 epoch + save + resume for 1 more; save weights and optimizer state.
 
-Usage: run_resume.py OUT CASE STAGE [STAGE ...] with CASE ``gan`` (two engines, Adam) or ``distill`` (frozen ZeRO-3
-teacher, saved with ``save_frozen=True``, Adam student). Writes OUT.RANK: {stage: {"straight": ..., "resumed": ...}}.
+Usage: run_resume.py OUT CASE STAGE [STAGE ...] [--after-fit] [--bf16] with CASE ``gan`` (two engines, Adam) or
+``distill`` (frozen ZeRO-3 teacher, saved with ``save_frozen=True``, Adam student). The first epoch is saved by
+``ModelCheckpoint(save_last=True)``, or with ``--after-fit`` by ``trainer.save_checkpoint`` after ``fit`` returns.
+``--bf16`` trains in ``bf16-mixed``. Writes OUT.RANK: {stage: {"straight": ..., "resumed": ...}}.
 """
 
 from __future__ import annotations
@@ -52,9 +54,15 @@ class Resumable(pl.LightningModule):
 def optimizer_state(engine: object) -> list[torch.Tensor]:
     """Adam's moments and the fp32 master weight of every parameter, whole (ZeRO partitions gathered).
 
-    Read per parameter, so the padding at the end of a ZeRO partition (uninitialised memory) is left out.
+    Read per parameter, so the padding at the end of a ZeRO partition (uninitialised memory) is left out. A bf16
+    engine at stage 0 (DeepSpeed's ``FP16_UnfusedOptimizer`` with a torch Adam) keeps fp32 masters of its own.
     """
     state = []
+    if engine.zero_optimization_stage() == 0 and engine.bfloat16_enabled():
+        for master in (p for group in engine.optimizer.fp32_groups for p in group):
+            moments = engine.optimizer.optimizer.state[master]
+            state += [moments["exp_avg"].clone(), moments["exp_avg_sq"].clone(), master.detach().clone()]
+        return state
     for param in engine.module.parameters():
         if engine.zero_optimization_stage() == 0:
             moments = engine.optimizer.state[param]
@@ -65,7 +73,8 @@ def optimizer_state(engine: object) -> list[torch.Tensor]:
     return state
 
 
-def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = None) -> dict:
+def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = None, save_after: bool = False) -> dict:
+    flags = dict(precision="bf16-mixed") if "--bf16" in sys.argv else {}
     module = Resumable(case)
     engines = {"teacher": {"zero_optimization": {"stage": 3}}} if case == "distill" else {}
     strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=engines, save_frozen=case == "distill")
@@ -76,8 +85,11 @@ def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = 
         use_distributed_sampler=False,
         callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1), optimizers_at_end],
         default_root_dir=root,
+        **flags,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
+    if save_after:
+        trainer.save_checkpoint(root / "after-fit.ckpt")
     return {
         "weights": strategy.consolidated_state_dict(),
         "optimizer": optimizers_at_end.value,
@@ -89,13 +101,15 @@ def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = 
 
 
 def main() -> None:
-    out, case, *stages = sys.argv[1:]
+    out, case, *stages = (arg for arg in sys.argv[1:] if not arg.startswith("--"))
+    after_fit = "--after-fit" in sys.argv
+    saved = "after-fit.ckpt" if after_fit else "last.ckpt"
     results = {}
     for stage in map(int, stages):
         root = Path(out).parent / f"{case}-{stage}"
         straight = fit(case, stage, 2, root / "straight")
-        fit(case, stage, 1, root / "first")
-        resumed = fit(case, stage, 2, root / "second", ckpt_path=str(root / "first" / "last.ckpt"))
+        fit(case, stage, 1, root / "first", save_after=after_fit)
+        resumed = fit(case, stage, 2, root / "second", ckpt_path=str(root / "first" / saved))
         results[stage] = {"straight": straight, "resumed": resumed}
     torch.save(results, f"{out}.{torch.distributed.get_rank()}")
 

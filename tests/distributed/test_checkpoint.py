@@ -26,6 +26,26 @@ def test_resume_at_an_epoch_boundary_is_bitwise_exact(tmp_path: Path, case: str)
         assert all(result["straight"]["parts"] == saved for result in results.values())
 
 
+@pytest.mark.parametrize(
+    ("case", "stages", "flags"),
+    [("gan", "0123", []), ("gan", "0123", ["--bf16"]), ("distill", "2", [])],
+    ids=["gan", "gan-bf16", "distill"],
+)
+def test_save_checkpoint_after_fit_resumes_bitwise_exactly(
+    tmp_path: Path, case: str, stages: str, flags: list[str]
+) -> None:
+    """Lightning's documented ``trainer.fit(model); trainer.save_checkpoint(path)``, resumed with ``ckpt_path``.
+
+    In bf16 the stopped engines' whole submodules are back in fp32 when it saves (as after teardown).
+    """
+    out = tmp_path / "resume.pt"
+    run_ranks(RESUME, str(out), case, *stages, "--after-fit", *flags, timeout=600)
+    for rank in (0, 1):
+        results = torch.load(f"{out}.{rank}", weights_only=False)
+        assert sorted(results) == [int(stage) for stage in stages]
+        assert_resumed_exactly(results, f"{case} {flags} saved after fit, rank {rank}")
+
+
 def assert_resumed_exactly(results: dict, where: str) -> None:
     """Each stage's resumed run (1 epoch, save, resume, 1 more) equals the straight run to the bit."""
     for stage, result in results.items():

@@ -1,4 +1,8 @@
-"""Teardown leaves nothing behind: fit twice on one module object, then test it (ZeRO 0/2/3, a frozen engine)."""
+"""Teardown leaves no hook behind, and the engines go at release: fit twice on one module, then test it.
+
+ZeRO 0/2/3 and a frozen engine. After each fit its 3 stopped engines live on for ``trainer.save_checkpoint``
+until ``strategy.release()`` or the next setup.
+"""
 
 from __future__ import annotations
 
@@ -30,9 +34,15 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("after", ["fit0", "fit1", "test"])
-def test_teardown_removes_every_hook_patch_and_engine(results: dict, after: str) -> None:
+@pytest.mark.parametrize("after", ["fit0", "fit1"])
+def test_teardown_removes_every_hook_and_patch_and_keeps_the_stopped_engines(results: dict, after: str) -> None:
     assert results["before"] == NOTHING_LEFT
+    assert results[after] == {**NOTHING_LEFT, "live_engines": 3}
+    assert results[f"{after}_engines"] == ["critic", "discriminator", "generator"]
+
+
+@pytest.mark.parametrize("after", ["released", "test", "failed"])
+def test_release_or_the_next_setup_frees_the_engines(results: dict, after: str) -> None:
     assert results[after] == NOTHING_LEFT
 
 
@@ -62,10 +72,16 @@ def test_test_after_fit_runs_the_trained_zero3_engine(results: dict) -> None:
     assert diff <= TOLERANCE
 
 
-def test_saving_after_fit_is_refused_with_the_fix(results: dict) -> None:
-    """The engines that write each part of a checkpoint are gone after fit: say where to save instead."""
-    assert "ModelCheckpoint" in results["save_after_fit"]
-    assert "on_train_end" in results["save_after_fit"]
+def test_saving_after_release_is_refused_with_the_fix(results: dict) -> None:
+    """The engines that write each part of a checkpoint are gone after ``release()``: say where to save instead."""
+    assert results["released_engines"] == []
+    assert "strategy.release()" in results["save_after_release"]
+    assert "ModelCheckpoint" in results["save_after_release"]
+
+
+def test_saving_after_a_failed_fit_is_refused(results: dict) -> None:
+    """A fit that ended in an exception does not keep its engines: they may be between a backward and a step."""
+    assert "ended in an exception" in results["save_after_failure"]
 
 
 def test_test_after_a_bf16_fit_runs(results: dict) -> None:
