@@ -135,6 +135,24 @@ class EngineOptimizer(Optimizer):
         """The optimizer state as DeepSpeed keeps it (per partition under ZeRO)."""
         return self.optimizer.state
 
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """Refused, naming what to use: DeepSpeed keeps the state in flat partitions, not per parameter."""
+        raise RuntimeError(self._no_torch_state("state_dict()", "read", "safe_get_full_optimizer_state"))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Refused, naming what to use: DeepSpeed keeps the state in flat partitions, not per parameter."""
+        raise RuntimeError(self._no_torch_state("load_state_dict(...)", "set", "safe_set_full_optimizer_state"))
+
+    def _no_torch_state(self, call: str, verb: str, helper: str) -> str:
+        value = ", value" if verb == "set" else ""
+        return (
+            f"`opt.{call}` of engine {self.name!r}: DeepSpeed keeps this optimizer's state in its own flat fp32 "
+            "partitions, not in torch's per-parameter form. To save or resume it, use `trainer.save_checkpoint(path)` "
+            "and `trainer.fit(model, ckpt_path=path)`, which write and read every engine's part. To "
+            f'{verb} one parameter\'s state, call `deepspeed.utils.{helper}(param{value}, "exp_avg")` on every rank '
+            "(a collective at ZeRO-1/2/3)."
+        )
+
     @Optimizer.profile_hook_step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` if given (automatic optimization), then step the engine.

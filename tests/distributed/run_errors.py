@@ -66,6 +66,16 @@ def calls_engine(module: GAN, batch: torch.Tensor) -> None:
     module.trainer.strategy.engines["generator"](z)
 
 
+def reads_optimizer_state(module: GAN, batch: torch.Tensor) -> None:
+    opt_g, _ = module.optimizers()
+    opt_g.state_dict()
+
+
+def loads_optimizer_state(module: GAN, batch: torch.Tensor) -> None:
+    _, opt_d = module.optimizers()
+    opt_d.load_state_dict({"state": {}, "param_groups": []})
+
+
 def steps_without_backward(module: GAN, batch: torch.Tensor) -> None:
     opt_g, _ = module.optimizers()
     opt_g.step()
@@ -192,6 +202,8 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     ),
     "engine_called_directly": (lambda: GAN(calls_engine), {}),
     "step_without_backward": (lambda: GAN(steps_without_backward), {}),
+    **{f"optimizer_state_dict_zero{s}": (lambda: GAN(reads_optimizer_state), {"stage": s}) for s in (0, 3)},
+    "optimizer_load_state_dict": (lambda: GAN(loads_optimizer_state), {"stage": 2}),
     "zero_grad_before_step": (lambda: GAN(clears_before_step), {}),
     "offload_with_torch_optimizer": (
         lambda: GAN(returns_loss, "generator"),

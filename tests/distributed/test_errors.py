@@ -26,6 +26,13 @@ EXPECTED = {
     "forced_automatic": r"2 trainable engines but keeps `automatic_optimization` True.*remove the",
     "batch_contradiction": r"engine 'generator' sets train_micro_batch_size_per_gpu=16.*gives 4 samples per process",
     "engine_called_directly": r"engine .generator. was called directly. Call the submodule instead \(`self.gen",
+    **{
+        f"optimizer_state_dict_zero{stage}": r"`opt.state_dict\(\)` of engine 'generator'.*trainer.save_checkpoint"
+        r"\(path\)`.*`deepspeed.utils.safe_get_full_optimizer_state\(param, \"exp_avg\"\)`"
+        for stage in (0, 3)
+    },
+    "optimizer_load_state_dict": r"`opt.load_state_dict\(...\)` of engine 'discriminator'.*ckpt_path=path.*"
+    r"safe_set_full_optimizer_state\(param, value, \"exp_avg\"\)",
     "step_without_backward": r"`opt.step\(\)` of engine 'generator' was called with no gradient.*manual_backward",
     "zero_grad_before_step": r"engine 'generator' was called with no gradient since its last step or `zero_grad\(\)`",
     "offload_with_torch_optimizer": r"engine 'generator' offloads its optimizer states .*`torch.optim.sgd.SGD`.*"
