@@ -10,6 +10,10 @@ Layout of a checkpoint ``PATH`` (a directory, whatever its name, e.g. ``epoch=3-
     PATH/engines/NAME/weights.pt
                              a frozen or EMA engine's whole ``state_dict`` instead (it has no optimizer
                              state; DeepSpeed cannot save a ZeRO-3 engine without an optimizer)
+    PATH/engines/NAME/universal/
+                             added by the first resume at another world size: the ZeRO-1/2/3 engine's
+                             state as DeepSpeed's universal checkpoint (``ds_to_universal``), which loads at
+                             any data-parallel size; later resumes at other sizes reuse it
 
 Every rank writes its partitions into ``PATH.partial``; when all have finished, rank 0 moves the
 finished directory to ``PATH``. A process killed while saving leaves only ``PATH.partial``, which is
@@ -36,12 +40,14 @@ from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from torch import nn
 
+from lightning_multids import internals
 from lightning_multids.internals import stage0_weights
 
 FORMAT_KEY = "multids"
 LIGHTNING_FILE = "lightning.pt"
 ENGINE_DIR = "engines"
 TAG = "state"
+UNIVERSAL_TAG = "universal"
 WEIGHTS_FILE = "weights.pt"
 
 
@@ -54,6 +60,7 @@ def save(
     frozen: set[str],
     averages: Mapping[str, int],
     plain_state: dict[str, Any],
+    world_size: int,
     is_global_zero: bool,
     barrier: Callable[[str], None],
 ) -> None:
@@ -68,6 +75,7 @@ def save(
         frozen: the names of all frozen engines (saved or not), for the description.
         averages: the update count of each EMA engine (:meth:`~lightning_multids.ema.Averager.state`).
         plain_state: the state dict entries of submodules that are not engines.
+        world_size: the number of processes (each a data-parallel rank of every engine).
         is_global_zero: whether this is rank 0, which writes Lightning's part and moves directories.
         barrier: a barrier across all ranks.
     """
@@ -91,6 +99,7 @@ def save(
             },
             "frozen": sorted(frozen),
             "averages": dict(averages),
+            "world_size": world_size,
         }
         torch.save(kept, partial / LIGHTNING_FILE)
     barrier("multids.save.written")
@@ -166,23 +175,70 @@ def save_weights(module: nn.Module, directory: Path, *, is_global_zero: bool) ->
         torch.save(state, directory / WEIGHTS_FILE)
 
 
-def load_engines(path: Path, engines: Mapping[str, DeepSpeedEngine], *, strict: bool) -> None:
+def load_engines(
+    path: Path,
+    engines: Mapping[str, DeepSpeedEngine],
+    saved: Mapping[str, Any],
+    *,
+    world_size: int,
+    strict: bool,
+    is_global_zero: bool,
+    barrier: Callable[[str], None],
+) -> None:
     """Load each engine's weights, optimizer and loss-scaler state from ``path``; a collective call.
 
-    An engine saved as weights only (:func:`save_weights`) gets its weights.
+    An engine saved as weights only (:func:`save_weights`) gets its weights. At a world size other than the
+    checkpoint's (``saved``, its description), each ZeRO-1/2/3 engine loads DeepSpeed's universal checkpoint of
+    its state (:func:`universal`); ZeRO-0 state is whole on every rank and loads as saved.
     """
+    reshaped = saved.get("world_size", world_size) != world_size  # a checkpoint without it: saved at this size
     for name, engine in engines.items():
-        weights = path / ENGINE_DIR / name / WEIGHTS_FILE
-        if weights.is_file():
-            load_weights(engine.module, torch.load(weights, map_location="cpu"), strict=strict)
+        engine_dir = path / ENGINE_DIR / name
+        if (engine_dir / WEIGHTS_FILE).is_file():
+            load_weights(engine.module, torch.load(engine_dir / WEIGHTS_FILE, map_location="cpu"), strict=strict)
             continue
-        engine.load_checkpoint(
-            str(path / ENGINE_DIR / name),
-            tag=TAG,
-            load_module_strict=strict,
-            load_optimizer_states=True,
-            load_lr_scheduler_states=False,  # Lightning restores the schedulers
-        )
+        universal_load = reshaped and bool(saved["engines"][name]["stage"])
+        if universal_load:
+            universal(engine_dir, is_global_zero=is_global_zero, barrier=barrier)
+        with internals.loading_universal(engine) if universal_load else contextlib.nullcontext():
+            engine.load_checkpoint(
+                str(engine_dir),
+                tag=UNIVERSAL_TAG if universal_load else TAG,
+                load_module_strict=strict,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,  # Lightning restores the schedulers
+            )
+        if universal_load:
+            _load_buffers(engine.module, engine_dir)
+
+
+def _load_buffers(module: nn.Module, engine_dir: Path) -> None:
+    """Copy the module's saved buffers (BatchNorm's statistics, counters) back in after a universal load.
+
+    DeepSpeed's universal checkpoint restores parameters only (from ``universal/zero/``): it skips the module
+    ``state_dict``, so without this every buffer would keep its value from ``__init__``.
+    """
+    saved = internals.saved_module_state(engine_dir / TAG)
+    for name, buffer in module.named_buffers():
+        if name in saved:
+            buffer.copy_(saved[name])
+
+
+def universal(engine_dir: Path, *, is_global_zero: bool, barrier: Callable[[str], None]) -> Path:
+    """``engine_dir/universal``: the engine's saved state as a universal checkpoint, made once; a collective call.
+
+    Rank 0 converts into ``universal.partial`` and renames it when done, so a conversion killed midway is
+    made again by the next resume, never loaded.
+    """
+    target = engine_dir / UNIVERSAL_TAG
+    if is_global_zero and not target.is_dir():
+        partial = engine_dir / f"{UNIVERSAL_TAG}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        internals.to_universal(engine_dir / TAG, partial)
+        partial.rename(target)
+        (engine_dir / "latest_universal").write_text(UNIVERSAL_TAG)  # DeepSpeed's pointer named the .partial
+    barrier("multids.universal")
+    return target
 
 
 def consolidated_state_dicts(path: str | Path) -> dict[str, dict[str, torch.Tensor]]:

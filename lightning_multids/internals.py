@@ -24,6 +24,9 @@ behind depends on the optimizer DeepSpeed chose:
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -739,10 +742,60 @@ def release_engine(engine: DeepSpeedEngine) -> None:
         param.__dict__.pop("_z3_optimizer", None)
 
 
+@contextmanager
+def loading_universal(engine: DeepSpeedEngine) -> Iterator[None]:
+    """Make ``engine.load_checkpoint`` read a universal checkpoint (``ds_to_universal``'s output) in the block.
+
+    DeepSpeed reads its config's ``checkpoint.load_universal`` only when loading
+    (``engine.load_universal_checkpoint()`` returns ``engine._config.load_universal_checkpoint``), so the flag is
+    set for the load alone and the engine's config is as it was after the block.
+    """
+    before = engine._config.load_universal_checkpoint
+    engine._config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        engine._config.load_universal_checkpoint = before
+
+
+def to_universal(source: Path, target: Path) -> None:
+    """Convert the ZeRO-1/2/3 checkpoint folder ``source`` (one tag) to a universal checkpoint in ``target``.
+
+    ``deepspeed.checkpoint.ds_to_universal.main`` with its command line's options as arguments, in this process
+    (one worker: no process pool), its progress output silenced. It also writes ``latest_universal`` beside
+    ``target``, naming it.
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    options = argparse.Namespace(
+        input_folder=str(source),
+        output_folder=str(target),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # the engines save no `universal_checkpoint_info`; it only holds a version
+    )
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal.main(options)
+
+
+def saved_module_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The module ``state_dict`` an engine saved with ``engine.save_checkpoint`` into ``folder`` (one tag).
+
+    ``mp_rank_00_model_states.pt`` (one model-parallel rank); at ZeRO-3 rank 0's
+    ``zero_pp_rank_0_mp_rank_00_model_states.pt``, whose parameters are empty partitions and buffers whole.
+    """
+    file = folder / "mp_rank_00_model_states.pt"
+    if not file.is_file():
+        file = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    states = torch.load(file, map_location="cpu", weights_only=False)
+    return dict(states["module"])
+
+
 def stage0_weights(engine_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     """The module weights a stage-0 engine saved with ``engine.save_checkpoint`` (its ``mp_rank_00`` file)."""
-    states = torch.load(engine_dir / tag / "mp_rank_00_model_states.pt", weights_only=False)
-    return dict(states["module"])
+    return saved_module_state(engine_dir / tag)
 
 
 REDUCTION_CALLS: dict[int, tuple[str, str]] = {

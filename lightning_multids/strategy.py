@@ -464,6 +464,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             frozen=frozen,
             averages=averager.state() if averager is not None else {},
             plain_state=checkpoints.plain_state_dict(self.lightning_module, set(engines)),
+            world_size=self.world_size,
             is_global_zero=self.is_global_zero,
             barrier=self.barrier,
         )
@@ -481,7 +482,15 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             check_names = {n: saved["engines"][n] for n in saved["engines"] if n not in saved["frozen"]}
             checkpoints.check_engines({"engines": check_names}, trainable, path)
             engines = {n: e for n, e in self._engine_set.engines.items() if n in saved["engines"]}
-            checkpoints.load_engines(path, engines, strict=module.strict_loading)
+            checkpoints.load_engines(
+                path,
+                engines,
+                saved,
+                world_size=self.world_size,
+                strict=module.strict_loading,
+                is_global_zero=self.is_global_zero,
+                barrier=self.barrier,
+            )
             if self._engine_set.averager is not None:  # an average the checkpoint lacks restarts from its source
                 self._engine_set.averager.load_state(saved.get("averages", {}))
         else:

@@ -79,6 +79,17 @@ def finish() -> None:
     os._exit(0)
 
 
+class AtTrainStart(pl.Callback):
+    """Record ``read(strategy)`` when training starts (after setup and any resume, before a step) in ``self.value``."""
+
+    def __init__(self, read: Callable[[Any], Any]) -> None:
+        self.read = read
+        self.value: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.value = self.read(trainer.strategy)
+
+
 class AtFitEnd(pl.Callback):
     """Record ``read(strategy)`` when training ends, before teardown releases the engines, in ``self.value``."""
 

@@ -1,0 +1,87 @@
+"""Resume at another world size (2 -> 1 and 1 -> 2 ranks): every engine equals plain PyTorch on the same batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from tests import patterns
+from tests.distributed import run_ema, run_reshape
+from tests.distributed.harness import run_ranks
+
+TOLERANCE = 1e-6
+SPECS = ["0:3", "1:0", "2:3", "3:3"]  # generator ZeRO-0/1/2/3 (discriminator ZeRO-2), its EMA engine ZeRO-0/3
+
+
+def reference() -> dict:
+    """Plain PyTorch on the global batches for 2 epochs: the GAN with Adam and StepLR, and ``AveragedModel``."""
+    G, D, _ = run_ema.make_gan()
+    opt_g, opt_d = patterns.make_optimizer("adam", G.parameters()), patterns.make_optimizer("adam", D.parameters())
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in (opt_g, opt_d)]
+    average = AveragedModel(G, multi_avg_fn=get_ema_multi_avg_fn(run_reshape.DECAY))
+    data, global_batch = patterns.make_batches(run_ema.BATCHES), 8
+    for _ in range(2):
+        for step in range(run_ema.BATCHES):
+            batch = data[step * global_batch : (step + 1) * global_batch]
+            patterns.gan_zero_first(G, D, batch, opt_g, opt_d, lambda loss: loss.backward())
+            average.update_parameters(G)
+        for scheduler in schedulers:
+            scheduler.step()
+    weights = {f"generator.{k}": v.detach().clone() for k, v in G.state_dict().items()}
+    weights.update({f"discriminator.{k}": v.detach().clone() for k, v in D.state_dict().items()})
+    weights.update({f"generator_ema.{k}": v.detach().clone() for k, v in average.module.state_dict().items()})
+    optimizer = []
+    for opt, module in ((opt_g, G), (opt_d, D)):
+        for param in module.parameters():
+            optimizer += [opt.state[param]["exp_avg"], opt.state[param]["exp_avg_sq"], param.detach()]
+    return {"weights": weights, "optimizer": optimizer, "lrs": [opt.param_groups[0]["lr"] for opt in (opt_g, opt_d)]}
+
+
+def reshape(root: Path, saved_at: int, resumed_at: int, *flags: str) -> tuple[dict, dict]:
+    """Train 1 epoch at world size ``saved_at``, resume at ``resumed_at`` for 1 more: both runs' results."""
+    out, script = root / "results.pt", Path(run_reshape.__file__)
+    run_ranks(script, str(out), "first", *SPECS, *flags, world_size=saved_at, timeout=600)
+    run_ranks(script, str(out), "second", *SPECS, *flags, world_size=resumed_at, timeout=600)
+    return torch.load(f"{out}.first", weights_only=False), torch.load(f"{out}.second", weights_only=False)
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    first, second = reshape(tmp_path_factory.mktemp("reshape"), *request.param)
+    return {spec: {**second[spec], "saved": first[spec]["optimizer"]} for spec in SPECS}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_resume_at_another_world_size_equals_plain_pytorch(resumed: dict, spec: str) -> None:
+    """Weights (the EMA engine's included), Adam's moments and fp32 weights, and the schedulers' learning rates."""
+    expected, result = reference(), resumed[spec]
+    assert result["weights"].keys() == expected["weights"].keys()
+    for key, value in expected["weights"].items():
+        diff = (result["weights"][key] - value).abs().max().item()
+        assert diff <= TOLERANCE, f"{spec} {key}: max abs difference {diff:.2e} from plain PyTorch"
+    assert len(result["optimizer"]) == len(expected["optimizer"])
+    for index, (got, want) in enumerate(zip(result["optimizer"], expected["optimizer"], strict=True)):
+        diff = (got.float() - want).abs().max().item()
+        assert diff <= TOLERANCE, f"{spec} optimizer state {index}: max abs difference {diff:.2e}"
+    assert result["lrs"] == pytest.approx(expected["lrs"])
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_resume_at_another_world_size_starts_from_the_saved_state_exactly(resumed: dict, spec: str) -> None:
+    assert_same_state(resumed[spec]["saved"], resumed[spec]["started"], spec)
+
+
+def test_bf16_resume_at_another_world_size_starts_from_the_saved_state_exactly(tmp_path: Path) -> None:
+    """bf16-mixed, 2 -> 1: the fp32 master weights and Adam's moments go through the conversion bit for bit."""
+    first, second = reshape(tmp_path, 2, 1, "--bf16")
+    for spec in SPECS:
+        assert_same_state(first[spec]["optimizer"], second[spec]["started"], f"bf16 {spec}")
+
+
+def assert_same_state(saved: list[torch.Tensor], started: list[torch.Tensor], where: str) -> None:
+    assert len(saved) == len(started) > 0
+    for index, (a, b) in enumerate(zip(saved, started, strict=True)):
+        assert torch.equal(a, b), f"{where}: optimizer state {index} changed between the save and the resume"
