@@ -119,6 +119,13 @@ def test_resume_is_bitwise_exact(tmp_path: Path) -> None:
     test_checkpoint.assert_resumed_exactly(torch.load(f"{out}.0", weights_only=False), "gan, one process")
 
 
+def test_save_checkpoint_after_fit_resumes_bitwise_exactly(tmp_path: Path) -> None:
+    """After fit the module is on the CPU (Lightning's teardown) while the stopped engines' states stay on the GPU."""
+    out = tmp_path / "resume.pt"
+    run_on_gpu("run_resume.py", out, "gan", "0", "2", "3", "--after-fit", "--bf16")
+    test_checkpoint.assert_resumed_exactly(torch.load(f"{out}.0", weights_only=False), "gan after fit, one process")
+
+
 @pytest.mark.parametrize(
     "precision", ["bf16-mixed", pytest.param("16-mixed", marks=pytest.mark.skipif(ON_CPU, reason="fp16"))]
 )
