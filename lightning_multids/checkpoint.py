@@ -10,6 +10,8 @@ Layout of a checkpoint ``PATH`` (a directory, whatever its name, e.g. ``epoch=3-
     PATH/engines/NAME/weights.pt
                              a frozen or EMA engine's whole ``state_dict`` instead (it has no optimizer
                              state; DeepSpeed cannot save a ZeRO-3 engine without an optimizer)
+    PATH/engines/NAME/hf/    for an engine holding a Hugging Face model (PEFT's included): its config, adapter
+                             config and class, for ``export(..., format="hf")`` (:mod:`lightning_multids.huggingface`)
     PATH/engines/NAME/universal/
                              added by the first resume at another world size: the ZeRO-1/2/3 engine's
                              state as DeepSpeed's universal checkpoint (``ds_to_universal``), which loads at
@@ -40,7 +42,7 @@ from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from torch import nn
 
-from lightning_multids import internals
+from lightning_multids import huggingface, internals
 from lightning_multids.internals import stage0_weights
 
 FORMAT_KEY = "multids"
@@ -90,6 +92,9 @@ def save(
     for name, module in weights.items():
         save_weights(module, partial / ENGINE_DIR / name, is_global_zero=is_global_zero)
     if is_global_zero:
+        modules = {**{name: engine.module for name, engine in engines.items()}, **weights}
+        for name, module in modules.items():
+            huggingface.describe(module, partial / ENGINE_DIR / name / huggingface.DESCRIPTION_DIR)
         kept = {k: v for k, v in checkpoint.items() if k != "state_dict"}  # optimizer_states are empty here
         kept["state_dict"] = plain_state
         kept[FORMAT_KEY] = {
@@ -283,20 +288,47 @@ def load_weights(module: nn.Module, state: Mapping[str, torch.Tensor], *, strict
         module.load_state_dict(state, strict=strict)
 
 
-def export(path: str | Path, out: str | Path, dtype: torch.dtype = torch.float32) -> list[Path]:
-    """Write ``OUT/NAME.pt`` (a ``state_dict``) for each engine of the checkpoint at ``path``.
+def export(
+    path: str | Path,
+    out: str | Path,
+    dtype: torch.dtype = torch.float32,
+    format: str = "pt",  # noqa: A002 (the command line's --format)
+    merge_lora: bool = False,
+) -> list[Path]:
+    """Write each engine of the checkpoint at ``path`` into ``out``: ``NAME.pt``, or a ``save_pretrained`` ``NAME/``.
 
-    Load one into the plain module with ``module.load_state_dict(torch.load("OUT/generator.pt"))``; no
-    DeepSpeed and no process group needed. ``OUT/plain.pt`` holds the remaining submodules' entries,
-    keyed as in the LightningModule. Floating-point tensors are written in ``dtype`` (fp32 by default;
-    ``torch.bfloat16`` or ``torch.float16`` for 16-bit weights).
+    ``NAME.pt`` is a ``state_dict``; with ``format="hf"`` each engine holding a Hugging Face model gets a folder.
+
+    Load a ``NAME.pt`` into the plain module with ``module.load_state_dict(torch.load("OUT/generator.pt"))``; a
+    ``NAME/`` folder with ``AutoModel...from_pretrained("OUT/actor")``, or for a PEFT model with
+    ``PeftModel.from_pretrained(base, "OUT/actor")`` (its adapter), or ``from_pretrained`` again with
+    ``merge_lora=True`` (the adapter merged into the base model). No DeepSpeed and no process group needed.
+    ``OUT/plain.pt`` holds the remaining submodules' entries, keyed as in the LightningModule. Floating-point
+    tensors are written in ``dtype`` (fp32 by default; ``torch.bfloat16`` or ``torch.float16`` for 16-bit weights).
     """
-    out = Path(out)
+    if format not in ("pt", "hf"):
+        raise ValueError(f"export format {format!r}: choose 'pt' (state dicts) or 'hf' (save_pretrained folders).")
+    path, out = resolve(path), Path(out)
+    described = {
+        name
+        for name in read_lightning_part(path)[FORMAT_KEY]["engines"]
+        if (path / ENGINE_DIR / name / huggingface.DESCRIPTION_DIR).is_dir()
+    }
+    if format == "hf" and not described:
+        raise ValueError(
+            f"No engine of {str(path)!r} holds a Hugging Face model (or the checkpoint was saved before "
+            "lightning-multids described them): export it with the default format, as state dicts."
+        )
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, state in consolidated_state_dicts(path).items():
-        target = out / f"{name}.pt"
-        torch.save({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, target)
+        if format == "hf" and name in described:
+            target = out / name
+            description = path / ENGINE_DIR / name / huggingface.DESCRIPTION_DIR
+            huggingface.save_pretrained(description, state, target, dtype=dtype, merge_lora=merge_lora)
+        else:
+            target = out / f"{name}.pt"
+            torch.save({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, target)
         written.append(target)
     return written
 

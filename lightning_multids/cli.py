@@ -10,7 +10,8 @@ selectable under ``trainer.strategy`` by class path (with ``init_args``) or by i
 new ``version_N`` folder, so Lightning alone would look only in the new, empty one). An error stops every
 rank, but only rank 0 prints its traceback; the others have logged it in one line.
 
-``lightning-multids export CKPT OUT [--dtype bf16]`` writes one plain ``state_dict`` per engine.
+``lightning-multids export CKPT OUT [--dtype bf16] [--format hf [--merge-lora]]`` writes one plain ``state_dict`` per
+engine, or a ``save_pretrained`` folder per engine holding a Hugging Face model.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def newest_last_checkpoint(root: Path) -> Path | None:
 
 
 def export_main(argv: Sequence[str]) -> None:
-    """Run ``export CKPT OUT [--dtype bf16]``: one ``state_dict`` per engine in ``OUT``, then print the paths."""
+    """Run ``export CKPT OUT [--dtype bf16] [--format hf [--merge-lora]]``: one file or folder per engine in ``OUT``."""
     parser = argparse.ArgumentParser(
         prog="lightning-multids export",
         description="Write one consolidated state_dict per submodule from a checkpoint directory.",
@@ -119,9 +120,22 @@ def export_main(argv: Sequence[str]) -> None:
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default="fp32", help="the dtype of the weights written (default fp32)"
     )
+    parser.add_argument(
+        "--format",
+        choices=["pt", "hf"],
+        default="pt",
+        help="pt: NAME.pt state dicts (default); hf: a save_pretrained folder NAME/ per Hugging Face engine",
+    )
+    parser.add_argument(
+        "--merge-lora", action="store_true", help="with --format hf: merge PEFT adapters into their base model"
+    )
     args = parser.parse_args(list(argv))
+    if args.merge_lora and args.format != "hf":
+        parser.error("--merge-lora needs --format hf")
     try:
-        paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype])
+        paths = export(
+            args.checkpoint, args.out, dtype=DTYPES[args.dtype], format=args.format, merge_lora=args.merge_lora
+        )
     except (ValueError, OSError) as error:  # a wrong path or not a checkpoint: the message says which
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     for path in paths:

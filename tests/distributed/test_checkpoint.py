@@ -111,6 +111,30 @@ def test_export_command_line(trained: Path, tmp_path: Path) -> None:
         assert torch.equal(value, live[f"generator.{key}"].to(torch.bfloat16))
 
 
+def test_export_format_hf_of_a_checkpoint_without_hugging_face_engines_is_one_line(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_multids.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(trained / "ckpts" / "last.ckpt"), str(tmp_path), "--format", "hf"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "No engine of" in error and "holds a Hugging Face model" in error and "default format" in error
+    assert "Traceback" not in error and not list(tmp_path.iterdir())
+
+
+def test_export_merge_lora_needs_format_hf(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_multids.checkpoint import export
+    from lightning_multids.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["export", str(trained / "ckpts" / "last.ckpt"), str(tmp_path), "--merge-lora"])
+    assert "--merge-lora needs --format hf" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="choose 'pt' .* or 'hf'"):
+        export(trained / "ckpts" / "last.ckpt", tmp_path, format="safetensors")
+
+
 def test_validate_from_a_checkpoint_in_a_fresh_process(trained: Path) -> None:
     run_ranks(SCENARIOS, "validate", str(trained))
     metrics = json.loads((trained / "val.json").read_text())

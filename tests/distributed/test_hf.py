@@ -94,3 +94,34 @@ def test_export_loads_with_from_pretrained_and_merges_lora(results: dict, spec: 
         logits = loaded(input_ids=run_hf.PROMPT).logits
     assert (logits - expected).abs().max().item() <= 1e-4
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
+
+
+@pytest.mark.parametrize(("spec", "merge"), [("3", False), ("2+lora", False), ("2+lora", True)])
+def test_export_format_hf_writes_what_from_pretrained_loads(
+    results: dict, spec: str, merge: bool, tmp_path: Path
+) -> None:
+    """``lightning-multids export CKPT OUT --format hf [--merge-lora]``: a ``save_pretrained`` folder for the actor.
+
+    GPT-2 loads with ``from_pretrained`` (its embeddings still tied); a LoRA actor's folder is its adapter, loaded
+    onto the base model with PEFT, or with ``--merge-lora`` a plain GPT-2. Each gives the trained actor's logits.
+    """
+    from lightning_multids.cli import main
+
+    main(["export", results[spec]["checkpoint"], str(tmp_path), "--format", "hf", *(["--merge-lora"] if merge else [])])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["actor", "plain.pt"]  # the frozen reference is not saved
+    if "lora" in spec and not merge:
+        from peft import PeftModel
+
+        base, _ = run_hf.make_models(
+            lora=False, checkpointing=False
+        )  # LoRA leaves the base model's weights as they were
+        loaded = PeftModel.from_pretrained(base, tmp_path / "actor")
+        tied = loaded.get_base_model()
+    else:
+        loaded = tied = GPT2LMHeadModel.from_pretrained(tmp_path / "actor")
+    trained, _ = reference(spec)
+    with torch.no_grad():
+        expected = trained(input_ids=run_hf.PROMPT).logits
+        logits = loaded(input_ids=run_hf.PROMPT).logits
+    assert (logits - expected).abs().max().item() <= 1e-4
+    assert tied.lm_head.weight is tied.transformer.wte.weight
