@@ -1,12 +1,14 @@
 """Per-rank script: one phase of a resume at another world size, for the EMA GAN with schedulers (Adam).
 
 Usage: run_reshape.py OUT PHASE SPEC [SPEC ...] [--bf16], each SPEC ``SOURCE:AVERAGE`` as in ``run_ema.py``
-(the generator's and its EMA engine's ZeRO stages; the discriminator is ZeRO-2). PHASE ``first`` trains 1 epoch
-and saves ``last.ckpt``; ``second`` resumes from it, at whatever world size this run has, and trains 1 more. Both
-engines halve their learning rate after each epoch (``StepLR``, stepped by the module); ``--bf16`` trains in
-bf16-mixed. Each phase writes OUT.PHASE on rank 0: {spec: {"weights": consolidated state dict at the end,
-"optimizer": Adam's moments and fp32 weights per parameter at the end, "started": the same when training starts
-after the resume (``second`` only), "lrs": the learning rates at the end}}.
+(the generator's and its EMA engine's ZeRO stages; the discriminator is ZeRO-2), or ``distill:STAGE``: the
+distillation of ``run_resume.py``, a frozen ZeRO-3 teacher (saved, ``save_frozen=True``) and a student at STAGE.
+PHASE ``first`` trains 1 epoch and saves ``last.ckpt``; ``second`` resumes from it, at whatever world size this
+run has, and trains 1 more. The GAN's engines halve their learning rate after each epoch (``StepLR``, stepped by
+the module); ``--bf16`` trains in bf16-mixed. Each phase writes OUT.PHASE on rank 0: {spec: {"weights":
+consolidated state dict at the end, "optimizer": Adam's moments and fp32 weights per parameter at the end,
+"started": the same when training starts after the resume (``second``, GAN only), "lrs": the learning rates at
+the end (GAN only)}}.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_multids import MultiDeepSpeedStrategy
-from tests.distributed import run_ema
+from tests.distributed import run_ema, run_resume
 from tests.distributed.common import AtFitEnd, AtTrainStart, cpu_trainer, finish
 from tests.distributed.run_resume import optimizer_state
 
@@ -46,6 +48,8 @@ def read_optimizers(strategy: MultiDeepSpeedStrategy) -> list[torch.Tensor]:
 
 def fit(spec: str, epochs: int, root: Path, ckpt_path: str | None = None) -> dict[str, Any]:
     source, average = spec.split(":")
+    if source == "distill":
+        return run_resume.fit("distill", int(average), epochs, root, ckpt_path=ckpt_path)
     strategy = MultiDeepSpeedStrategy(
         engine_configs={
             "generator": run_ema.zero(source),
