@@ -196,13 +196,12 @@ def load_engines(
     checkpoint's (``saved``, its description), each ZeRO-1/2/3 engine loads DeepSpeed's universal checkpoint of
     its state (:func:`universal`); ZeRO-0 state is whole on every rank and loads as saved.
     """
-    reshaped = saved.get("world_size", world_size) != world_size  # a checkpoint without it: saved at this size
     for name, engine in engines.items():
         engine_dir = path / ENGINE_DIR / name
         if (engine_dir / WEIGHTS_FILE).is_file():
             load_weights(engine.module, torch.load(engine_dir / WEIGHTS_FILE, map_location="cpu"), strict=strict)
             continue
-        universal_load = reshaped and bool(saved["engines"][name]["stage"])
+        universal_load = bool(saved["engines"][name]["stage"]) and _saved_at(saved, engine_dir) != world_size
         if universal_load:
             universal(engine_dir, is_global_zero=is_global_zero, barrier=barrier)
         with internals.loading_universal(engine) if universal_load else contextlib.nullcontext():
@@ -215,6 +214,13 @@ def load_engines(
             )
         if universal_load:
             _load_buffers(engine.module, engine_dir)
+
+
+def _saved_at(saved: Mapping[str, Any], engine_dir: Path) -> int:
+    """The world size a checkpoint was saved at; for one saved before it was recorded, DeepSpeed's own record."""
+    if "world_size" in saved:
+        return int(saved["world_size"])
+    return internals.saved_world_size(engine_dir / TAG)
 
 
 def _load_buffers(module: nn.Module, engine_dir: Path) -> None:

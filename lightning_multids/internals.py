@@ -750,6 +750,8 @@ def loading_universal(engine: DeepSpeedEngine) -> Iterator[None]:
     (``engine.load_universal_checkpoint()`` returns ``engine._config.load_universal_checkpoint``), so the flag is
     set for the load alone and the engine's config is as it was after the block.
     """
+    if not hasattr(engine._config, "load_universal_checkpoint"):
+        _refuse_missing("DeepSpeedConfig.load_universal_checkpoint")
     before = engine._config.load_universal_checkpoint
     engine._config.load_universal_checkpoint = True
     try:
@@ -780,8 +782,8 @@ def to_universal(source: Path, target: Path) -> None:
         ds_to_universal.main(options)
 
 
-def saved_module_state(folder: Path) -> dict[str, torch.Tensor]:
-    """The module ``state_dict`` an engine saved with ``engine.save_checkpoint`` into ``folder`` (one tag).
+def _saved_model_states(folder: Path) -> dict[str, Any]:
+    """What an engine saved with ``engine.save_checkpoint`` into ``folder`` (one tag) besides its optimizer.
 
     ``mp_rank_00_model_states.pt`` (one model-parallel rank); at ZeRO-3 rank 0's
     ``zero_pp_rank_0_mp_rank_00_model_states.pt``, whose parameters are empty partitions and buffers whole.
@@ -789,8 +791,17 @@ def saved_module_state(folder: Path) -> dict[str, torch.Tensor]:
     file = folder / "mp_rank_00_model_states.pt"
     if not file.is_file():
         file = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    states = torch.load(file, map_location="cpu", weights_only=False)
-    return dict(states["module"])
+    return torch.load(file, map_location="cpu", weights_only=False)
+
+
+def saved_module_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The module ``state_dict`` an engine saved into ``folder`` (see :func:`_saved_model_states`)."""
+    return dict(_saved_model_states(folder)["module"])
+
+
+def saved_world_size(folder: Path) -> int:
+    """The data-parallel world size an engine saved ``folder`` at (its model states' ``dp_world_size``)."""
+    return int(_saved_model_states(folder)["dp_world_size"])
 
 
 def stage0_weights(engine_dir: Path, tag: str) -> dict[str, torch.Tensor]:

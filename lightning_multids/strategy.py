@@ -145,7 +145,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
         From setup to teardown, the running engines. After a ``fit`` that ended without an exception, and until
         the next setup or :meth:`release`, that fit's engines: stopped (their hooks are off the modules), kept for
-        ``trainer.save_checkpoint`` and for reading their states.
+        ``trainer.save_checkpoint``. Stopped, they no longer answer DeepSpeed's per-parameter reads
+        (``safe_get_full_optimizer_state`` gives zeros at ZeRO-1/2 and fails at ZeRO-3): read those in
+        ``on_train_end`` at the latest.
         """
         if not self._engine_set.engines and self._fitted is not None:
             return dict(self._fitted.engines)
@@ -155,10 +157,12 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """Free the engines a ``fit`` keeps after it ends (optimizer states, DeepSpeed's buffers); no collective.
 
         ``trainer.save_checkpoint`` then needs a new ``fit``. The next ``fit``, ``validate``, ``test`` or
-        ``predict`` releases them first anyway.
+        ``predict`` releases them first anyway, and so does an exception in a later ``fit``. ``self.optimizers()``
+        answers with nothing after it: the optimizers hold the engines' optimizer states.
         """
         if self._fitted is not None:
             self._fitted = None
+            self.optimizers, self.lr_scheduler_configs = [], []
             gc.collect()  # DeepSpeed's engines hold reference cycles: free their memory now, not at some later GC
 
     @property  # type: ignore[override]
@@ -546,6 +550,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """
         broken = isinstance(exception, RuntimeError) and _COLLECTIVE_FAILURE.search(str(exception))
         self._failed = True  # teardown does not keep this fit's engines for saving
+        self.release()  # nor an earlier fit's: this one may have failed before its setup released them
         reason = "a collective failed, most likely because another rank stopped (see its output)" if broken else ""
         log.error(  # every rank's own message, not rank zero's: which rank failed is the point
             f"[rank {self.global_rank}] MultiDeepSpeedStrategy: {type(exception).__name__}: {exception}"

@@ -78,6 +78,13 @@ class FailsInFit(Lifecycle):
         super().training_step(batch, batch_idx)
 
 
+class FailsAtSetup(Lifecycle):
+    """Raises in its ``setup`` hook, before the strategy's setup would release an earlier fit's engines."""
+
+    def setup(self, stage: str) -> None:
+        raise ValueError("the user's data is missing")
+
+
 def zero_deprecation_filters() -> int:
     """The warning filters that hide torch's deprecations of DeepSpeed's ZeRO collectives."""
     return sum(f[1] is not None and f[1].pattern == ZERO_DEPRECATIONS for f in warnings.filters)
@@ -124,6 +131,7 @@ def main() -> None:
             trainer.strategy.release()
             results["released"] = leftovers(module)
             results["released_engines"] = sorted(trainer.strategy.engines)
+            results["released_optimizers"] = len(trainer.strategy.optimizers)
             try:
                 trainer.save_checkpoint(f"{out}.after_release.ckpt")
             except RuntimeError as error:
@@ -151,6 +159,15 @@ def main() -> None:
         failed.save_checkpoint(f"{out}.after_failure.ckpt")
     except RuntimeError as error:
         results["save_after_failure"] = str(error)
+    # a fit that fails before its setup: the earlier fit's engines (of another module) go too
+    failed.fit(Lifecycle())
+    with contextlib.suppress(ValueError):
+        failed.fit(FailsAtSetup())
+    results["failed_before_setup"] = leftovers(failing)
+    try:
+        failed.save_checkpoint(f"{out}.after_failure_before_setup.ckpt")
+    except RuntimeError as error:
+        results["save_after_failure_before_setup"] = str(error)
     if trainer.global_rank == 0:
         torch.save(results, out)
 

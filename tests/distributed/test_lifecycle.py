@@ -41,7 +41,7 @@ def test_teardown_removes_every_hook_and_patch_and_keeps_the_stopped_engines(res
     assert results[f"{after}_engines"] == ["critic", "discriminator", "generator"]
 
 
-@pytest.mark.parametrize("after", ["released", "test", "failed"])
+@pytest.mark.parametrize("after", ["released", "test", "failed", "failed_before_setup"])
 def test_release_or_the_next_setup_frees_the_engines(results: dict, after: str) -> None:
     assert results[after] == NOTHING_LEFT
 
@@ -74,7 +74,7 @@ def test_test_after_fit_runs_the_trained_zero3_engine(results: dict) -> None:
 
 def test_saving_after_release_is_refused_with_the_fix(results: dict) -> None:
     """The engines that write each part of a checkpoint are gone after ``release()``: say where to save instead."""
-    assert results["released_engines"] == []
+    assert results["released_engines"] == [] and results["released_optimizers"] == 0
     assert "strategy.release()" in results["save_after_release"]
     assert "ModelCheckpoint" in results["save_after_release"]
 
@@ -82,6 +82,7 @@ def test_saving_after_release_is_refused_with_the_fix(results: dict) -> None:
 def test_saving_after_a_failed_fit_is_refused(results: dict) -> None:
     """A fit that ended in an exception does not keep its engines: they may be between a backward and a step."""
     assert "ended in an exception" in results["save_after_failure"]
+    assert "ended in an exception" in results["save_after_failure_before_setup"]  # the earlier fit's too
 
 
 def test_test_after_a_bf16_fit_runs(results: dict) -> None:

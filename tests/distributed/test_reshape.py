@@ -15,6 +15,14 @@ from tests.distributed.harness import run_ranks
 TOLERANCE = 1e-6
 GANS = ["0:3", "1:0", "2:3", "3:3"]  # generator ZeRO-0/1/2/3 (discriminator ZeRO-2), its EMA engine ZeRO-0/3
 SPECS = [*GANS, "distill:2"]  # a ZeRO-2 student beside a frozen ZeRO-3 teacher
+OLD_FORMAT = "2:3"
+"""Resumed from a checkpoint without its world size, as saved before the strategy recorded it."""
+
+
+def forget_world_size(lightning_part: Path) -> None:
+    saved = torch.load(lightning_part, weights_only=False)
+    del saved["multids"]["world_size"]
+    torch.save(saved, lightning_part)
 
 
 def reference() -> dict:
@@ -45,6 +53,7 @@ def reshape(root: Path, saved_at: int, resumed_at: int, *flags: str) -> tuple[di
     """Train 1 epoch at world size ``saved_at``, resume at ``resumed_at`` for 1 more: both runs' results."""
     out, script = root / "results.pt", Path(run_reshape.__file__)
     run_ranks(script, str(out), "first", *SPECS, *flags, world_size=saved_at, timeout=600)
+    forget_world_size(root / OLD_FORMAT.replace(":", "-") / "first" / "last.ckpt" / "lightning.pt")
     run_ranks(script, str(out), "second", *SPECS, *flags, world_size=resumed_at, timeout=600)
     return torch.load(f"{out}.first", weights_only=False), torch.load(f"{out}.second", weights_only=False)
 
