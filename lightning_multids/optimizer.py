@@ -136,21 +136,42 @@ class EngineOptimizer(Optimizer):
         return self.optimizer.state
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Refused, naming what to use: DeepSpeed keeps the state in flat partitions, not per parameter."""
-        raise RuntimeError(self._no_torch_state("state_dict()", "read", "safe_get_full_optimizer_state"))
+        """The torch optimizer's ``state_dict()`` where it is the engine's optimizer (ZeRO-0 in fp32); else refused.
+
+        Everywhere else DeepSpeed keeps the state in flat partitions or fp32 copies, not per parameter: the error
+        names what to use instead.
+        """
+        if not self._torch_holds_the_state():
+            raise RuntimeError(self._no_torch_state("state_dict()", "read", "safe_get_full_optimizer_state"))
+        return self.engine.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Refused, naming what to use: DeepSpeed keeps the state in flat partitions, not per parameter."""
-        raise RuntimeError(self._no_torch_state("load_state_dict(...)", "set", "safe_set_full_optimizer_state"))
+        """The torch optimizer's ``load_state_dict`` at ZeRO-0 in fp32 (see :meth:`state_dict`); else refused."""
+        if not self._torch_holds_the_state():
+            raise RuntimeError(self._no_torch_state("load_state_dict(...)", "set", "safe_set_full_optimizer_state"))
+        self.engine.optimizer.load_state_dict(state_dict)
+
+    def _torch_holds_the_state(self) -> bool:
+        """Whether DeepSpeed steps the torch optimizer itself (ZeRO-0, fp32): its state is per parameter.
+
+        (Read through the engine: ``self.optimizer`` is Lightning's own attribute on its ``LightningOptimizer``.)
+        """
+        return self.engine is not None and self.engine.optimizer is internals.torch_optimizer(self.engine)
 
     def _no_torch_state(self, call: str, verb: str, helper: str) -> str:
+        stage = self.engine.zero_optimization_stage() if self.engine is not None else 0
         value = ", value" if verb == "set" else ""
+        per_parameter = (
+            f' To {verb} one parameter\'s state, call `deepspeed.utils.{helper}(param{value}, "exp_avg")` on every '
+            "rank (a collective)."
+            if stage
+            else ""
+        )
         return (
-            f"`opt.{call}` of engine {self.name!r}: DeepSpeed keeps this optimizer's state in its own flat fp32 "
-            "partitions, not in torch's per-parameter form. To save or resume it, use `trainer.save_checkpoint(path)` "
-            "and `trainer.fit(model, ckpt_path=path)`, which write and read every engine's part. To "
-            f'{verb} one parameter\'s state, call `deepspeed.utils.{helper}(param{value}, "exp_avg")` on every rank '
-            "(a collective at ZeRO-1/2/3)."
+            f"`opt.{call}` of engine {self.name!r}: DeepSpeed keeps this optimizer's state "
+            + ("in its own flat fp32 partitions" if stage else "beside fp32 copies of the 16-bit weights")
+            + ", not in torch's per-parameter form. To save or resume it, use `trainer.save_checkpoint(path)` and "
+            "`trainer.fit(model, ckpt_path=path)`, which write and read every engine's part." + per_parameter
         )
 
     @Optimizer.profile_hook_step

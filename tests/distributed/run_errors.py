@@ -71,6 +71,19 @@ def reads_optimizer_state(module: GAN, batch: torch.Tensor) -> None:
     opt_g.state_dict()
 
 
+def round_trips_optimizer_state(module: GAN, batch: torch.Tensor) -> None:
+    """At ZeRO-0 in fp32 the torch optimizer is the engine's: its state_dict round-trips (here, a learning rate)."""
+    real, z = patterns.split(batch)
+    opt_g, _ = module.optimizers()
+    module.manual_backward(module.generator(z).pow(2).mean())
+    opt_g.step()
+    state = opt_g.state_dict()
+    state["param_groups"][0]["lr"] = 0.05
+    opt_g.load_state_dict(state)
+    if opt_g.param_groups[0]["lr"] != 0.05:
+        raise ValueError(f"load_state_dict did not set the learning rate: {opt_g.param_groups[0]}")
+
+
 def loads_optimizer_state(module: GAN, batch: torch.Tensor) -> None:
     _, opt_d = module.optimizers()
     opt_d.load_state_dict({"state": {}, "param_groups": []})
@@ -202,7 +215,9 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     ),
     "engine_called_directly": (lambda: GAN(calls_engine), {}),
     "step_without_backward": (lambda: GAN(steps_without_backward), {}),
-    **{f"optimizer_state_dict_zero{s}": (lambda: GAN(reads_optimizer_state), {"stage": s}) for s in (0, 3)},
+    "optimizer_state_dict_zero3": (lambda: GAN(reads_optimizer_state), {"stage": 3}),
+    "optimizer_state_dict_zero0_bf16": (lambda: GAN(reads_optimizer_state), {"stage": 0}),
+    "optimizer_state_dict_zero0": (lambda: GAN(round_trips_optimizer_state), {"stage": 0}),
     "optimizer_load_state_dict": (lambda: GAN(loads_optimizer_state), {"stage": 2}),
     "zero_grad_before_step": (lambda: GAN(clears_before_step), {}),
     "offload_with_torch_optimizer": (
@@ -223,7 +238,10 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
 }
 
 
-TRAINER_KWARGS = {"accumulate_when_switched": {"accumulate_grad_batches": 2}}
+TRAINER_KWARGS: dict[str, dict] = {
+    "accumulate_when_switched": {"accumulate_grad_batches": 2},
+    "optimizer_state_dict_zero0_bf16": {"precision": "bf16-mixed"},
+}
 
 
 def main() -> None:

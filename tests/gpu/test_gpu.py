@@ -120,7 +120,8 @@ def test_resume_is_bitwise_exact(tmp_path: Path) -> None:
 
 
 def test_save_checkpoint_after_fit_resumes_bitwise_exactly(tmp_path: Path) -> None:
-    """After fit the module is on the CPU (Lightning's teardown) while the stopped engines' states stay on the GPU."""
+    """After fit the module is on the CPU and Adam's moments in host memory (Lightning's teardown moves both),
+    while the stopped engines' fp32 partitions stay on the GPU."""
     out = tmp_path / "resume.pt"
     run_on_gpu("run_resume.py", out, "gan", "0", "2", "3", "--after-fit", "--bf16")
     test_checkpoint.assert_resumed_exactly(torch.load(f"{out}.0", weights_only=False), "gan after fit, one process")
