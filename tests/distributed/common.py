@@ -79,23 +79,26 @@ def finish() -> None:
     os._exit(0)
 
 
-class AtTrainStart(pl.Callback):
+class _Record(pl.Callback):
+    """Record ``read(strategy)`` in ``self.value`` at the hook a subclass names."""
+
+    def __init__(self, read: Callable[[Any], Any]) -> None:
+        self.read = read
+        self.value: Any = None
+
+    def _record(self, trainer: pl.Trainer) -> None:
+        self.value = self.read(trainer.strategy)
+
+
+class AtTrainStart(_Record):
     """Record ``read(strategy)`` when training starts (after setup and any resume, before a step) in ``self.value``."""
 
-    def __init__(self, read: Callable[[Any], Any]) -> None:
-        self.read = read
-        self.value: Any = None
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.value = self.read(trainer.strategy)
+        self._record(trainer)
 
 
-class AtFitEnd(pl.Callback):
-    """Record ``read(strategy)`` when training ends, before teardown releases the engines, in ``self.value``."""
-
-    def __init__(self, read: Callable[[Any], Any]) -> None:
-        self.read = read
-        self.value: Any = None
+class AtFitEnd(_Record):
+    """Record ``read(strategy)`` when training ends, before teardown stops the engines, in ``self.value``."""
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.value = self.read(trainer.strategy)
+        self._record(trainer)

@@ -88,12 +88,7 @@ def test_export_loads_with_from_pretrained_and_merges_lora(results: dict, spec: 
         model = model.merge_and_unload()
     model.save_pretrained(tmp_path / "hf")
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
-    trained, _ = reference(spec)
-    with torch.no_grad():
-        expected = trained(input_ids=run_hf.PROMPT).logits
-        logits = loaded(input_ids=run_hf.PROMPT).logits
-    assert (logits - expected).abs().max().item() <= 1e-4
-    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert_trained_logits(loaded, spec, tied=loaded)
 
 
 @pytest.mark.parametrize(("spec", "merge"), [("3", False), ("2+lora", False), ("2+lora", True)])
@@ -112,13 +107,16 @@ def test_export_format_hf_writes_what_from_pretrained_loads(
     if "lora" in spec and not merge:
         from peft import PeftModel
 
-        base, _ = run_hf.make_models(
-            lora=False, checkpointing=False
-        )  # LoRA leaves the base model's weights as they were
+        base, _ = run_hf.make_models(lora=False, checkpointing=False)  # LoRA leaves the base's weights as they were
         loaded = PeftModel.from_pretrained(base, tmp_path / "actor")
-        tied = loaded.get_base_model()
+        assert_trained_logits(loaded, spec, tied=loaded.get_base_model())
     else:
-        loaded = tied = GPT2LMHeadModel.from_pretrained(tmp_path / "actor")
+        loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "actor")
+        assert_trained_logits(loaded, spec, tied=loaded)
+
+
+def assert_trained_logits(loaded: torch.nn.Module, spec: str, tied: GPT2LMHeadModel) -> None:
+    """``loaded`` gives the logits of plain PyTorch's trained actor, and ``tied`` (its GPT-2) ties its embeddings."""
     trained, _ = reference(spec)
     with torch.no_grad():
         expected = trained(input_ids=run_hf.PROMPT).logits
