@@ -42,7 +42,7 @@ from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from torch import nn
 
-from lightning_multids import huggingface, internals
+from lightning_multids import huggingface, internals, loading
 from lightning_multids.internals import stage0_weights
 
 FORMAT_KEY = "multids"
@@ -51,6 +51,7 @@ ENGINE_DIR = "engines"
 TAG = "state"
 UNIVERSAL_TAG = "universal"
 WEIGHTS_FILE = "weights.pt"
+EXPORT_OPT_OUT = "export it with `lightning-multids export --unsafe-load` (`export(..., weights_only=False)`)"
 
 
 def save(
@@ -146,9 +147,9 @@ def resolve(path: str | Path) -> Path:
     return path
 
 
-def read_lightning_part(path: Path) -> dict[str, Any]:
-    """Lightning's part of the checkpoint at ``path`` (see :func:`resolve`)."""
-    loaded = torch.load(path / LIGHTNING_FILE, map_location="cpu", weights_only=False)
+def read_lightning_part(path: Path, weights_only: bool | None) -> dict[str, Any]:
+    """Lightning's part of the checkpoint at ``path`` (see :func:`resolve`), loaded as ``weights_only`` says."""
+    loaded = loading.load(path / LIGHTNING_FILE, weights_only)
     if FORMAT_KEY not in loaded:
         raise ValueError(f"{str(path / LIGHTNING_FILE)!r} was not written by MultiDeepSpeedStrategy.")
     return loaded
@@ -187,6 +188,7 @@ def load_engines(
     *,
     world_size: int,
     strict: bool,
+    weights_only: bool | None,
     is_global_zero: bool,
     barrier: Callable[[str], None],
 ) -> None:
@@ -194,14 +196,17 @@ def load_engines(
 
     An engine saved as weights only (:func:`save_weights`) gets its weights. At a world size other than the
     checkpoint's (``saved``, its description), each ZeRO-1/2/3 engine loads DeepSpeed's universal checkpoint of
-    its state (:func:`universal`); ZeRO-0 state is whole on every rank and loads as saved.
+    its state (:func:`universal`); ZeRO-0 state is whole on every rank and loads as saved. This package's own
+    reads honour ``weights_only``; DeepSpeed's do inside :func:`lightning_multids.loading.reading`.
     """
+    restricted = loading.restricted(weights_only)
     for name, engine in engines.items():
         engine_dir = path / ENGINE_DIR / name
         if (engine_dir / WEIGHTS_FILE).is_file():
-            load_weights(engine.module, torch.load(engine_dir / WEIGHTS_FILE, map_location="cpu"), strict=strict)
+            load_weights(engine.module, loading.load(engine_dir / WEIGHTS_FILE, weights_only), strict=strict)
             continue
-        universal_load = bool(saved["engines"][name]["stage"]) and _saved_at(saved, engine_dir) != world_size
+        saved_at = _saved_at(saved, engine_dir, weights_only=restricted)
+        universal_load = bool(saved["engines"][name]["stage"]) and saved_at != world_size
         if universal_load:
             universal(engine_dir, is_global_zero=is_global_zero, barrier=barrier)
         with internals.loading_universal(engine) if universal_load else contextlib.nullcontext():
@@ -213,23 +218,23 @@ def load_engines(
                 load_lr_scheduler_states=False,  # Lightning restores the schedulers
             )
         if universal_load:
-            _load_buffers(engine.module, engine_dir)
+            _load_buffers(engine.module, engine_dir, weights_only=restricted)
 
 
-def _saved_at(saved: Mapping[str, Any], engine_dir: Path) -> int:
+def _saved_at(saved: Mapping[str, Any], engine_dir: Path, *, weights_only: bool) -> int:
     """The world size a checkpoint was saved at; for one saved before it was recorded, DeepSpeed's own record."""
     if "world_size" in saved:
         return int(saved["world_size"])
-    return internals.saved_world_size(engine_dir / TAG)
+    return internals.saved_world_size(engine_dir / TAG, weights_only=weights_only)
 
 
-def _load_buffers(module: nn.Module, engine_dir: Path) -> None:
+def _load_buffers(module: nn.Module, engine_dir: Path, *, weights_only: bool) -> None:
     """Copy the module's saved buffers (BatchNorm's statistics, counters) back in after a universal load.
 
     DeepSpeed's universal checkpoint restores parameters only (from ``universal/zero/``): it skips the module
     ``state_dict``, so without this every buffer would keep its value from ``__init__``.
     """
-    saved = internals.saved_module_state(engine_dir / TAG)
+    saved = internals.saved_module_state(engine_dir / TAG, weights_only=weights_only)
     for name, buffer in module.named_buffers():
         if name in saved:
             buffer.copy_(saved[name])
@@ -252,21 +257,30 @@ def universal(engine_dir: Path, *, is_global_zero: bool, barrier: Callable[[str]
     return target
 
 
-def consolidated_state_dicts(path: str | Path) -> dict[str, dict[str, torch.Tensor]]:
+def consolidated_state_dicts(
+    path: str | Path, weights_only: bool | None = None, opt_out: str = loading.TRAINER_OPT_OUT
+) -> dict[str, dict[str, torch.Tensor]]:
     """Every saved engine's weights as one fp32 ``state_dict`` each, plus ``"plain"`` for the other submodules.
 
     Works from any ZeRO stage and any world size, with no process group: ZeRO partitions are merged.
-    Keys are relative to each submodule (``"0.weight"``), ready for ``submodule.load_state_dict``.
+    Keys are relative to each submodule (``"0.weight"``), ready for ``submodule.load_state_dict``. Every file
+    loads as ``weights_only`` says (``None``: torch's default, tensors and plain types only); a refused one is an
+    ``UnpicklingError`` naming it and ``opt_out``, how to load it anyway.
     """
     path = resolve(path)
-    lightning = read_lightning_part(path)
+    with loading.reading(path, weights_only, opt_out):
+        return _consolidated(path, weights_only)
+
+
+def _consolidated(path: Path, weights_only: bool | None) -> dict[str, dict[str, torch.Tensor]]:
+    lightning = read_lightning_part(path, weights_only)
     result: dict[str, dict[str, torch.Tensor]] = {}
     for name, info in lightning[FORMAT_KEY]["engines"].items():
         engine_dir = path / ENGINE_DIR / name
         if info["stage"] is None:
-            state = torch.load(engine_dir / WEIGHTS_FILE, map_location="cpu")
+            state = loading.load(engine_dir / WEIGHTS_FILE, weights_only)
         elif info["stage"] == 0:
-            state = stage0_weights(engine_dir, TAG)
+            state = stage0_weights(engine_dir, TAG, weights_only=loading.restricted(weights_only))
         else:
             with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints 4 lines per engine as it merges
                 state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=TAG)
@@ -300,6 +314,7 @@ def export(
     dtype: torch.dtype = torch.float32,
     format: str = "pt",  # noqa: A002 (the command line's --format)
     merge_lora: bool = False,
+    weights_only: bool | None = None,
 ) -> list[Path]:
     """Write each engine of the checkpoint at ``path`` into ``out``: ``NAME.pt``, or a ``save_pretrained`` ``NAME/``.
 
@@ -311,27 +326,31 @@ def export(
     ``merge_lora=True`` (the adapter merged into the base model). No DeepSpeed and no process group needed.
     ``OUT/plain.pt`` holds the remaining submodules' entries, keyed as in the LightningModule. Floating-point
     tensors are written in ``dtype`` (fp32 by default; ``torch.bfloat16`` or ``torch.float16`` for 16-bit weights).
+
+    The checkpoint is read as ``torch.load`` reads with ``weights_only`` (``None``: torch's default, tensors and
+    plain types only; the command line's ``--unsafe-load`` is ``False``), and unless it is ``False`` a Hugging Face
+    model's class is imported only from transformers or a module already imported.
     """
     if format not in ("pt", "hf"):
         raise ValueError(f"export format {format!r}: choose 'pt' (state dicts) or 'hf' (save_pretrained folders).")
     path, out = resolve(path), Path(out)
-    described = {
-        name
-        for name in read_lightning_part(path)[FORMAT_KEY]["engines"]
-        if (path / ENGINE_DIR / name / huggingface.DESCRIPTION_DIR).is_dir()
-    }
-    if format == "hf" and not described:
-        raise ValueError(
-            f"No engine of {str(path)!r} holds a Hugging Face model (or the checkpoint was saved before "
-            "lightning-multids described them): export it with the default format, as state dicts."
-        )
+    with loading.reading(path, weights_only, EXPORT_OPT_OUT):
+        engines = read_lightning_part(path, weights_only)[FORMAT_KEY]["engines"]
+        described = {name for name in engines if (path / ENGINE_DIR / name / huggingface.DESCRIPTION_DIR).is_dir()}
+        if format == "hf" and not described:
+            raise ValueError(
+                f"No engine of {str(path)!r} holds a Hugging Face model (or the checkpoint was saved before "
+                "lightning-multids described them): export it with the default format, as state dicts."
+            )
+        states = _consolidated(path, weights_only)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, state in consolidated_state_dicts(path).items():
+    trusted = not loading.restricted(weights_only)
+    for name, state in states.items():
         if format == "hf" and name in described:
             target = out / name
             description = path / ENGINE_DIR / name / huggingface.DESCRIPTION_DIR
-            huggingface.save_pretrained(description, state, target, dtype=dtype, merge_lora=merge_lora)
+            huggingface.save_pretrained(description, state, target, dtype=dtype, merge_lora=merge_lora, trusted=trusted)
         else:
             target = out / f"{name}.pt"
             torch.save({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, target)

@@ -10,14 +10,16 @@ selectable under ``trainer.strategy`` by class path (with ``init_args``) or by i
 new ``version_N`` folder, so Lightning alone would look only in the new, empty one). An error stops every
 rank, but only rank 0 prints its traceback; the others have logged it in one line.
 
-``lightning-multids export CKPT OUT [--dtype bf16] [--format hf [--merge-lora]]`` writes one plain ``state_dict`` per
-engine, or a ``save_pretrained`` folder per engine holding a Hugging Face model.
+``lightning-multids export CKPT OUT [--dtype bf16] [--format hf [--merge-lora]] [--unsafe-load]`` writes one plain
+``state_dict`` per engine, or a ``save_pretrained`` folder per engine holding a Hugging Face model. It loads tensors
+and plain types only unless ``--unsafe-load`` says the checkpoint is trusted, as ``fit --weights_only false`` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import re
 import sys
 from collections.abc import Sequence
@@ -110,7 +112,7 @@ def newest_last_checkpoint(root: Path) -> Path | None:
 
 
 def export_main(argv: Sequence[str]) -> None:
-    """Run ``export CKPT OUT [--dtype bf16] [--format hf [--merge-lora]]``: one file or folder per engine in ``OUT``."""
+    """Run ``export CKPT OUT [--dtype bf16] [--format hf [--merge-lora]] [--unsafe-load]``: one output per engine."""
     parser = argparse.ArgumentParser(
         prog="lightning-multids export",
         description="Write one consolidated state_dict per submodule from a checkpoint directory.",
@@ -129,14 +131,25 @@ def export_main(argv: Sequence[str]) -> None:
     parser.add_argument(
         "--merge-lora", action="store_true", help="with --format hf: merge PEFT adapters into their base model"
     )
+    parser.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help="load every object the checkpoint holds (torch.load with weights_only=False), not only tensors and "
+        "plain types, and import the model class it names: only for a checkpoint you trust",
+    )
     args = parser.parse_args(list(argv))
     if args.merge_lora and args.format != "hf":
         parser.error("--merge-lora needs --format hf")
     try:
         paths = export(
-            args.checkpoint, args.out, dtype=DTYPES[args.dtype], format=args.format, merge_lora=args.merge_lora
+            args.checkpoint,
+            args.out,
+            dtype=DTYPES[args.dtype],
+            format=args.format,
+            merge_lora=args.merge_lora,
+            weights_only=False if args.unsafe_load else None,
         )
-    except (ValueError, OSError) as error:  # a wrong path or not a checkpoint: the message says which
+    except (ValueError, OSError, pickle.UnpicklingError) as error:  # the message says which path, and what to do
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     for path in paths:
         print(path)

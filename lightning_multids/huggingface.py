@@ -73,16 +73,27 @@ def describe(module: nn.Module, directory: Path) -> bool:
 
 
 def save_pretrained(
-    description: Path, state: dict[str, torch.Tensor], out: Path, *, dtype: torch.dtype, merge_lora: bool
+    description: Path,
+    state: dict[str, torch.Tensor],
+    out: Path,
+    *,
+    dtype: torch.dtype,
+    merge_lora: bool,
+    trusted: bool = False,
 ) -> None:
     """Build the model ``description`` names, load ``state`` into it and ``save_pretrained`` it to ``out``.
 
     A PEFT model is written as its adapters (``adapter_config.json`` and the adapters' weights, to load with
     ``PeftModel.from_pretrained(base, out)``), or with ``merge_lora`` merged into its base model, a plain
     ``transformers`` folder. Raises a ValueError naming the model when it cannot be rebuilt or loaded.
+
+    Unless ``trusted``, the class is imported only from ``transformers`` or from a module already imported: the
+    description comes with the checkpoint, and importing a module runs its code.
     """
     meta = json.loads((description / _MODEL_FILE).read_text())
     name = f"{meta['module']}.{meta['class']}"
+    if not trusted:
+        _refuse_import(meta["module"], name, description)
     try:
         model = _build(description, meta)
         model.load_state_dict(state, strict=True)
@@ -96,6 +107,19 @@ def save_pretrained(
     model.to(dtype).save_pretrained(str(out))
 
 
+def _refuse_import(module: str, name: str, description: Path) -> None:
+    """Raise a ValueError if exporting would import ``module`` (not transformers', not imported yet)."""
+    if module.split(".", 1)[0] == "transformers" or module in sys.modules:
+        return
+    raise ValueError(
+        f"The checkpoint's description {str(description / _MODEL_FILE)!r} names the model class {name}, whose "
+        f"module {module!r} is not imported; importing it would run its code, and an export that does not trust "
+        "the checkpoint imports only transformers' own classes. Import the module first (`import "
+        f"{module}` before `export(...)`), or if you trust the checkpoint, export with `--unsafe-load` "
+        "(`export(..., weights_only=False)`)."
+    )
+
+
 def _build(description: Path, meta: dict[str, Any]) -> Any:
     """The model ``meta`` names, from its saved config, with its PEFT adapters (the active one active)."""
     import transformers
@@ -103,6 +127,8 @@ def _build(description: Path, meta: dict[str, Any]) -> Any:
     cls: Any = importlib.import_module(meta["module"])
     for part in meta["class"].split("."):
         cls = getattr(cls, part)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ValueError(f"{meta['module']}.{meta['class']} is not a transformers.PreTrainedModel")
     model: Any = cls(transformers.AutoConfig.from_pretrained(str(description)))
     if meta["adapters"]:
         from peft import PeftConfig, get_peft_model

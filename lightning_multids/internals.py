@@ -782,7 +782,22 @@ def to_universal(source: Path, target: Path) -> None:
         ds_to_universal.main(options)
 
 
-def _saved_model_states(folder: Path) -> dict[str, Any]:
+def checkpoint_globals() -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
+    """The DeepSpeed classes its checkpoint files hold besides tensors and plain types, to allow in restricted loads.
+
+    Found by saving engines at ZeRO 0-3 in fp32 and bf16, with Adam, AdamW and SGD, offloaded or not, and their
+    universal checkpoints, and listing each file's globals (``torch.serialization.get_unsafe_globals_in_checkpoint``):
+    ZeRO-1/2/3 optimizer states hold the loss scaler (``DynamicLossScaler`` in fp16) and ``ZeroStageEnum``, bf16
+    ones the ``fragment_address`` of each parameter. Each is a plain record: building one runs no other code.
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _saved_model_states(folder: Path, *, weights_only: bool) -> dict[str, Any]:
     """What an engine saved with ``engine.save_checkpoint`` into ``folder`` (one tag) besides its optimizer.
 
     ``mp_rank_00_model_states.pt`` (one model-parallel rank); at ZeRO-3 rank 0's
@@ -791,22 +806,22 @@ def _saved_model_states(folder: Path) -> dict[str, Any]:
     file = folder / "mp_rank_00_model_states.pt"
     if not file.is_file():
         file = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    return torch.load(file, map_location="cpu", weights_only=False)
+    return torch.load(file, map_location="cpu", weights_only=weights_only)
 
 
-def saved_module_state(folder: Path) -> dict[str, torch.Tensor]:
+def saved_module_state(folder: Path, *, weights_only: bool) -> dict[str, torch.Tensor]:
     """The module ``state_dict`` an engine saved into ``folder`` (see :func:`_saved_model_states`)."""
-    return dict(_saved_model_states(folder)["module"])
+    return dict(_saved_model_states(folder, weights_only=weights_only)["module"])
 
 
-def saved_world_size(folder: Path) -> int:
+def saved_world_size(folder: Path, *, weights_only: bool) -> int:
     """The data-parallel world size an engine saved ``folder`` at (its model states' ``dp_world_size``)."""
-    return int(_saved_model_states(folder)["dp_world_size"])
+    return int(_saved_model_states(folder, weights_only=weights_only)["dp_world_size"])
 
 
-def stage0_weights(engine_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+def stage0_weights(engine_dir: Path, tag: str, *, weights_only: bool) -> dict[str, torch.Tensor]:
     """The module weights a stage-0 engine saved with ``engine.save_checkpoint`` (its ``mp_rank_00`` file)."""
-    return saved_module_state(engine_dir / tag)
+    return saved_module_state(engine_dir / tag, weights_only=weights_only)
 
 
 REDUCTION_CALLS: dict[int, tuple[str, str]] = {

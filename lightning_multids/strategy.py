@@ -8,7 +8,9 @@ import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -27,7 +29,7 @@ from typing_extensions import override
 
 from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
-from lightning_multids import gradients, internals
+from lightning_multids import gradients, internals, loading
 from lightning_multids._deprecation import engine_configs_argument
 from lightning_multids.config import load_config, validate_stage, zero3_init_config
 from lightning_multids.data import forget_requested
@@ -127,6 +129,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._fitted: EngineSet | None = None
         """The last fit's engines from its teardown to :meth:`release`: stopped, kept for ``save_checkpoint``."""
         self._failed = False
+        self._loading: _Loading | None = None
+        """A checkpoint whose Lightning part was read before setup: setup loads the rest once the engines exist."""
         self._restore_summary: Callable[[], None] = _nothing
         self._show_zero_deprecations: Callable[[], None] = _nothing
 
@@ -243,6 +247,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 device_type=self.root_device.type,
             )
         self.setup_precision_plugin()
+        self._finish_loading()
 
     def _setup_fit(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         check_clip_algorithm(trainer)
@@ -424,8 +429,12 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        """Restore after setup: the engines must exist to load into."""
-        return True
+        """Restore before setup, as DDP does: Lightning passes ``weights_only`` only then (2.6.6, as on its master).
+
+        :meth:`load_checkpoint` reads Lightning's part; :meth:`setup` loads the engines' parts and the plain
+        submodules' weights once the engines exist (:meth:`_finish_loading`).
+        """
+        return False
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -475,39 +484,66 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load every engine's part (all state when fitting, weights otherwise); return Lightning's part."""
+        """Read Lightning's part of the checkpoint; the engines' parts load at setup (all state when fitting).
+
+        Every file loads as ``torch.load`` with ``weights_only`` would (``None``: torch's default, tensors and plain
+        types only), DeepSpeed's too (see :mod:`lightning_multids.loading`), as under Lightning's own strategies.
+        """
         path = checkpoints.resolve(self.broadcast(str(checkpoint_path)))
-        lightning = checkpoints.read_lightning_part(path)
-        saved = lightning[checkpoints.FORMAT_KEY]
-        module = self.lightning_module
-        assert module is not None
-        trainable = self._engine_set.trainable_engines
-        if trainable:  # fitting: every state, into the engines
-            check_names = {n: saved["engines"][n] for n in saved["engines"] if n not in saved["frozen"]}
-            checkpoints.check_engines({"engines": check_names}, trainable, path)
-            engines = {n: e for n, e in self._engine_set.engines.items() if n in saved["engines"]}
-            checkpoints.load_engines(
-                path,
-                engines,
-                saved,
-                world_size=self.world_size,
-                strict=module.strict_loading,
-                is_global_zero=self.is_global_zero,
-                barrier=self.barrier,
-            )
-            if self._engine_set.averager is not None:  # an average the checkpoint lacks restarts from its source
-                self._engine_set.averager.load_state(saved.get("averages", {}))
-        else:
-            for name, state in checkpoints.consolidated_state_dicts(path).items():
-                if name != "plain":
-                    checkpoints.load_weights(getattr(module, name), state, strict=module.strict_loading)
+        with loading.reading(path, weights_only):
+            lightning = checkpoints.read_lightning_part(path, weights_only)
+        self._loading = _Loading(path, lightning[checkpoints.FORMAT_KEY], weights_only)
+        if self._engine_set.engines:  # called after setup (by hand): load now
+            self._finish_loading()
         return lightning
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load the plain submodules' weights; the engines loaded theirs in :meth:`load_checkpoint`."""
+        """Load the plain submodules' weights at setup with the engines' (they may be partitioned until then)."""
         assert self.lightning_module is not None
-        result = self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)
+        if self._loading is None:
+            self._load_plain(checkpoint["state_dict"], strict)
+        else:
+            self._loading.plain, self._loading.strict = checkpoint["state_dict"], strict
+
+    def _finish_loading(self) -> None:
+        """Load the checkpoint :meth:`load_checkpoint` read into the engines and the plain submodules."""
+        pending, self._loading = self._loading, None
+        if pending is None:
+            return
+        with loading.reading(pending.path, pending.weights_only):
+            self._load_engines(pending.path, pending.saved, pending.weights_only)
+        if pending.plain is not None:
+            self._load_plain(pending.plain, pending.strict)
+
+    def _load_engines(self, path: Path, saved: dict[str, Any], weights_only: bool | None) -> None:
+        module = self.lightning_module
+        assert module is not None
+        trainable = self._engine_set.trainable_engines
+        if not trainable:  # validate, test, predict: the weights, into the submodules
+            for name, state in checkpoints.consolidated_state_dicts(path, weights_only).items():
+                if name != "plain":
+                    checkpoints.load_weights(getattr(module, name), state, strict=module.strict_loading)
+            return
+        check_names = {n: saved["engines"][n] for n in saved["engines"] if n not in saved["frozen"]}
+        checkpoints.check_engines({"engines": check_names}, trainable, path)
+        engines = {n: e for n, e in self._engine_set.engines.items() if n in saved["engines"]}
+        checkpoints.load_engines(
+            path,
+            engines,
+            saved,
+            world_size=self.world_size,
+            strict=module.strict_loading,
+            weights_only=weights_only,
+            is_global_zero=self.is_global_zero,
+            barrier=self.barrier,
+        )
+        if self._engine_set.averager is not None:  # an average the checkpoint lacks restarts from its source
+            self._engine_set.averager.load_state(saved.get("averages", {}))
+
+    def _load_plain(self, state: Mapping[str, Any], strict: bool) -> None:
+        assert self.lightning_module is not None
+        result = self.lightning_module.load_state_dict(state, strict=False)
         if strict and result.unexpected_keys:
             raise ValueError(
                 f"The checkpoint has weights for {result.unexpected_keys[:5]}, which this LightningModule does not "
@@ -528,6 +564,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ``fit`` as under DDP, until :meth:`release` or the next setup.
         """
         release_engines(self._engine_set)
+        self._loading = None  # a checkpoint read for a setup that did not finish
         module = self.lightning_module
         fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         if fitted and not self._failed and self._engine_set.trainable_engines:
@@ -567,6 +604,17 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             cls,
             description="One DeepSpeed engine per submodule, with a manual multi-optimizer loop",
         )
+
+
+@dataclass
+class _Loading:
+    """A checkpoint being loaded: read before setup (:meth:`MultiDeepSpeedStrategy.load_checkpoint`), loaded at it."""
+
+    path: Path
+    saved: dict[str, Any]
+    weights_only: bool | None
+    plain: Mapping[str, Any] | None = None
+    strict: bool = True
 
 
 def _nothing() -> None:

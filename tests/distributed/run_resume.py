@@ -1,13 +1,16 @@
 """Per-rank script: train 2 epochs straight, or 1 epoch + save + resume for 1 more; save weights and optimizer state.
 
-Usage: run_resume.py OUT CASE STAGE [STAGE ...] [--after-fit] [--bf16] with CASE ``gan`` (two engines, Adam) or
-``distill`` (frozen ZeRO-3 teacher, saved with ``save_frozen=True``, Adam student). The first epoch is saved by
-``ModelCheckpoint(save_last=True)``, or with ``--after-fit`` by ``trainer.save_checkpoint`` after ``fit`` returns.
-``--bf16`` trains in ``bf16-mixed``. Writes OUT.RANK: {stage: {"straight": ..., "resumed": ...}}.
+Usage: run_resume.py OUT CASE STAGE [STAGE ...] [--after-fit] [--bf16] [--ema] [--weights-only] with CASE ``gan``
+(two engines, Adam) or ``distill`` (frozen ZeRO-3 teacher, saved with ``save_frozen=True``, Adam student). The first
+epoch is saved by ``ModelCheckpoint(save_last=True)``, or with ``--after-fit`` by ``trainer.save_checkpoint`` after
+``fit`` returns. ``--bf16`` trains in ``bf16-mixed``; ``--ema`` adds ``student_ema``, an EMA engine of the student
+(distill only); ``--weights-only`` resumes with ``weights_only=True``. Writes OUT.RANK: {stage: {"straight": ...,
+"resumed": ...}}.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from pathlib import Path
@@ -34,6 +37,8 @@ class Resumable(pl.LightningModule):
             self.generator, self.discriminator = patterns.make_modules()
         else:
             self.teacher, self.student = patterns.make_distill_modules()
+            if "--ema" in sys.argv:
+                self.student_ema = copy.deepcopy(self.student)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         if self.case == "gan":
@@ -77,7 +82,8 @@ def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = 
     flags = dict(precision="bf16-mixed") if "--bf16" in sys.argv else {}
     module = Resumable(case)
     engines = {"teacher": {"zero_optimization": {"stage": 3}}} if case == "distill" else {}
-    strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=engines, save_frozen=case == "distill")
+    ema = {"student_ema": ("student", 0.9)} if "--ema" in sys.argv else None
+    strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=engines, save_frozen=case == "distill", ema=ema)
     optimizers_at_end = AtFitEnd(lambda s: [t for opt in s.optimizers for t in optimizer_state(opt.engine)])
     trainer = cpu_trainer(
         strategy,
@@ -87,7 +93,7 @@ def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = 
         default_root_dir=root,
         **flags,
     )
-    trainer.fit(module, ckpt_path=ckpt_path)
+    trainer.fit(module, ckpt_path=ckpt_path, weights_only=True if "--weights-only" in sys.argv else None)
     if save_after:
         trainer.save_checkpoint(root / "after-fit.ckpt")
     return {

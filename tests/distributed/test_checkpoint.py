@@ -46,6 +46,28 @@ def test_save_checkpoint_after_fit_resumes_bitwise_exactly(
         assert_resumed_exactly(results, f"{case} {flags} saved after fit, rank {rank}")
 
 
+def test_resume_with_weights_only_true_is_bitwise_exact(tmp_path: Path) -> None:
+    """``fit(ckpt_path=..., weights_only=True)`` at ZeRO 0-3 beside a frozen ZeRO-3 teacher and an EMA student.
+
+    Every file the strategy and DeepSpeed write loads with ``torch.load(weights_only=True)``, allowing only the
+    DeepSpeed classes that :func:`~lightning_multids.internals.checkpoint_globals` lists.
+    """
+    from lightning_multids.internals import checkpoint_globals
+
+    out = tmp_path / "resume.pt"
+    run_ranks(RESUME, str(out), "distill", "0", "1", "2", "3", "--ema", "--weights-only", timeout=600)
+    for rank in (0, 1):
+        results = torch.load(f"{out}.{rank}", weights_only=False)
+        assert_resumed_exactly(results, f"distill with an EMA, weights_only=True, rank {rank}")
+        assert all(result["straight"]["parts"] == ["student", "student_ema", "teacher"] for result in results.values())
+    for stage in "0123":
+        files = sorted((tmp_path / f"distill-{stage}" / "first" / "last.ckpt").rglob("*.pt"))
+        assert len(files) >= 4, files  # lightning.pt, the student's model and optimizer states, two weights.pt
+        with torch.serialization.safe_globals(checkpoint_globals()):
+            for file in files:
+                torch.load(file, weights_only=True)
+
+
 def assert_resumed_exactly(results: dict, where: str) -> None:
     """Each stage's resumed run (1 epoch, save, resume, 1 more) equals the straight run to the bit."""
     for stage, result in results.items():

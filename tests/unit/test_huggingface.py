@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,8 +87,39 @@ def test_a_model_that_cannot_be_rebuilt_is_a_value_error_naming_it(tmp_path: Pat
     (tmp_path / "hf" / "model.json").write_text(json.dumps({**meta, "module": "gone.models", "class": "Gone"}))
     with pytest.raises(ValueError, match=r"Cannot rebuild the Hugging Face model gone.models.Gone .*state dict"):
         huggingface.save_pretrained(
-            tmp_path / "hf", model.state_dict(), tmp_path / "out", dtype=torch.float32, merge_lora=False
+            tmp_path / "hf", model.state_dict(), tmp_path / "out", dtype=torch.float32, merge_lora=False, trusted=True
         )
+
+
+def describe_as(tmp_path: Path, module: str, cls: str) -> dict[str, torch.Tensor]:
+    """A description in ``tmp_path/hf`` whose model.json names ``module.cls``; the model's weights."""
+    model = base()
+    assert huggingface.describe(model, tmp_path / "hf")
+    meta = json.loads((tmp_path / "hf" / "model.json").read_text())
+    (tmp_path / "hf" / "model.json").write_text(json.dumps({**meta, "module": module, "class": cls}))
+    return model.state_dict()
+
+
+def test_an_untrusted_description_imports_no_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The class a checkpoint names is imported only from transformers or an imported module, unless trusted."""
+    marker = tmp_path / "imported"
+    (tmp_path / "planted_models.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Model: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    state = describe_as(tmp_path, "planted_models", "Model")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"names the model class planted_models.Model.*not imported.*--unsafe-load"):
+        huggingface.save_pretrained(tmp_path / "hf", state, out, dtype=torch.float32, merge_lora=False)
+    assert not marker.exists() and not out.exists()
+    monkeypatch.delitem(sys.modules, "planted_models", raising=False)  # imported below; gone after the test
+    with pytest.raises(ValueError, match=r"Cannot rebuild .*planted_models.Model is not a transformers.PreTrained"):
+        huggingface.save_pretrained(tmp_path / "hf", state, out, dtype=torch.float32, merge_lora=False, trusted=True)
+    assert marker.exists() and not out.exists()
+
+
+def test_a_named_callable_that_is_not_a_model_class_is_never_called(tmp_path: Path) -> None:
+    state = describe_as(tmp_path, "os", "system")  # imported already, so allowed as a module
+    with pytest.raises(ValueError, match=r"Cannot rebuild .*os.system is not a transformers.PreTrainedModel"):
+        huggingface.save_pretrained(tmp_path / "hf", state, tmp_path / "out", dtype=torch.float32, merge_lora=False)
 
 
 def test_other_modules_are_not_described(tmp_path: Path) -> None:

@@ -1,0 +1,109 @@
+"""``weights_only`` as torch decides it, and reading a checkpoint directory restricted, DeepSpeed's reads included."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_multids import internals, loading
+from tests.poison import poison
+
+
+@pytest.mark.parametrize(
+    ("weights_only", "environment", "expected"),
+    [
+        (None, {}, True),
+        (True, {}, True),
+        (False, {}, False),
+        (None, {loading.FORCE_NOT: "1"}, False),
+        (True, {loading.FORCE_NOT: "1"}, True),
+        (False, {loading.FORCE: "1"}, True),
+        (None, {loading.FORCE: "yes"}, True),
+    ],
+)
+def test_restricted_is_what_torch_load_does(
+    weights_only: bool | None, environment: dict[str, str], expected: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in (loading.FORCE, loading.FORCE_NOT):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert loading.restricted(weights_only) is expected
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    """A directory with two torch files: one plain, one holding each DeepSpeed class the list allows."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    root = tmp_path / "ckpt"
+    (root / "engines" / "a").mkdir(parents=True)
+    torch.save({"weight": torch.ones(2)}, root / "lightning.pt")
+    deepspeed_objects = [
+        LossScaler(1.0),
+        DynamicLossScaler(2.0**16, 1000, 1.0, 2, True, dtype=torch.float16),
+        ZeroStageEnum(2),
+        fragment_address(4, 0),
+    ]
+    torch.save({"optimizer_state_dict": deepspeed_objects, "x": torch.zeros(3)}, root / "engines" / "a" / "optim.pt")
+    return root
+
+
+def test_deepspeed_own_classes_load_restricted(checkpoint: Path) -> None:
+    with loading.reading(checkpoint, None):
+        loaded = torch.load(checkpoint / "engines" / "a" / "optim.pt", weights_only=False)  # as DeepSpeed calls it
+    assert [type(o).__name__ for o in loaded["optimizer_state_dict"]] == [
+        "LossScaler",
+        "DynamicLossScaler",
+        "ZeroStageEnum",
+        "fragment_address",
+    ]
+    assert len(internals.checkpoint_globals()) == 4
+
+
+@pytest.mark.parametrize("weights_only", [None, True])
+def test_a_poisoned_file_is_refused_before_anything_loads(
+    checkpoint: Path, tmp_path: Path, weights_only: bool | None
+) -> None:
+    marker = tmp_path / "ran"
+    poison(checkpoint / "engines" / "a" / "optim.pt", marker)
+    with pytest.raises(pickle.UnpicklingError) as refused, loading.reading(checkpoint, weights_only, opt_out="do X"):
+        pytest.fail("the block ran")
+    message = str(refused.value)
+    assert repr(str(checkpoint / "engines" / "a" / "optim.pt")) in message and "tests.poison.touched" in message
+    assert message.endswith("If you trust where this checkpoint came from, do X.")
+    assert not marker.exists() and loading.FORCE not in os.environ
+
+
+def test_torch_load_with_weights_only_false_is_restricted_in_the_block(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed passes ``weights_only=False``; in the block torch still refuses, even what the look missed."""
+    marker = tmp_path / "ran"
+    poison(checkpoint / "lightning.pt", marker)
+    monkeypatch.setattr(torch.serialization, "get_unsafe_globals_in_checkpoint", lambda file: [])
+    refused = pytest.raises(pickle.UnpicklingError, match=r"Refusing to load .*ckpt'.*tests.poison.touched.*do X")
+    with refused, loading.reading(checkpoint, None, opt_out="do X"):
+        torch.load(checkpoint / "lightning.pt", weights_only=False)
+    assert not marker.exists() and loading.FORCE not in os.environ
+
+
+def test_weights_only_false_loads_everything(checkpoint: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    poison(checkpoint / "lightning.pt", marker)
+    with loading.reading(checkpoint, False):
+        assert torch.equal(loading.load(checkpoint / "lightning.pt", False)["weight"], torch.ones(2))
+    assert marker.exists()
+
+
+def test_the_environment_is_restored_after_the_block(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(loading.FORCE, "true")
+    with loading.reading(checkpoint, None):
+        assert os.environ[loading.FORCE] == "1"
+    assert os.environ[loading.FORCE] == "true"
