@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,18 @@ def load_config(source: ConfigSource, *, what: str) -> dict[str, Any]:
         what: how to name this config in an error, e.g. ``"the engine 'generator'"``.
 
     Raises:
-        ValueError: the file is missing, is not JSON, or does not hold a JSON object.
+        ValueError: the file is missing, is not JSON, or does not hold a JSON object; ``source`` is neither a
+            mapping nor a path; a section the strategy reads (``zero_optimization``, ...) is not an object.
     """
     if source is None:
         return {}
     if isinstance(source, Mapping):
-        return copy.deepcopy(dict(source))
+        return _checked_sections(copy.deepcopy(dict(source)), what, "")
+    if not isinstance(source, str | os.PathLike):
+        raise ValueError(
+            f"The DeepSpeed config for {what} is a {type(source).__name__} ({source!r}). Pass a dict, "
+            'e.g. {"zero_optimization": {"stage": 2}}, or the path of a JSON file holding one.'
+        )
     path = Path(source)
     if not path.is_file():
         raise ValueError(
@@ -63,7 +70,38 @@ def load_config(source: ConfigSource, *, what: str) -> dict[str, Any]:
             f"The DeepSpeed config for {what} in {str(path)!r} holds a {type(loaded).__name__}, "
             'not a JSON object. Write the config as an object: {"zero_optimization": {...}}.'
         )
-    return loaded
+    return _checked_sections(loaded, what, f" in {str(path)!r}")
+
+
+_SECTIONS = ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler")  # what the strategy reads
+_ZERO_SECTIONS = ("offload_optimizer", "offload_param")
+
+
+def _example(key: str, value: Any) -> str:
+    """How section ``key`` given as ``value`` is written as an object."""
+    if key == "zero_optimization":
+        return f'{{"stage": {value if value in VALID_STAGES else 2}}}'
+    if key in ("bf16", "fp16"):
+        return '{"enabled": true}'
+    if key.startswith("zero_optimization."):
+        return f'{{"device": "{value if value in ("cpu", "nvme") else "cpu"}"}}'
+    return '{"type": "...", "params": {...}}'
+
+
+def _checked_sections(config: dict[str, Any], what: str, where: str) -> dict[str, Any]:
+    """``config``, after checking that each section the strategy reads is an object (or, for an offload, null)."""
+    zero = config.get("zero_optimization")
+    sections = [(key, config[key]) for key in _SECTIONS if key in config]
+    if isinstance(zero, Mapping):
+        sections += [(f"zero_optimization.{key}", zero[key]) for key in _ZERO_SECTIONS if zero.get(key) is not None]
+    for key, value in sections:
+        if not isinstance(value, Mapping):
+            example = _example(key, value)
+            raise ValueError(
+                f"The DeepSpeed config for {what}{where} sets `{key}` to {value!r}, but DeepSpeed reads it as an "
+                f"object: write `{key.rpartition('.')[2]}: {example}`."
+            )
+    return config
 
 
 def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

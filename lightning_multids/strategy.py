@@ -118,9 +118,15 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         )
         self.stage = validate_stage(stage, what="MultiDeepSpeedStrategy(stage=...)")
         self.config = load_config(config, what="every engine (`config=`)")
+        per_engine = engine_configs_argument(engine_configs, engines)
+        if not isinstance(per_engine, Mapping):
+            raise ValueError(
+                f"MultiDeepSpeedStrategy(engine_configs=...) got a {type(per_engine).__name__} ({per_engine!r}); "
+                'it maps each submodule\'s name to its DeepSpeed config, e.g. {"generator": "configs/generator.json"}. '
+                "For one config for every engine, pass `config=` instead."
+            )
         self.engine_configs = {
-            name: load_config(source, what=f"the engine {name!r}")
-            for name, source in engine_configs_argument(engine_configs, engines).items()
+            name: load_config(source, what=f"the engine {name!r}") for name, source in per_engine.items()
         }
         self.save_frozen = save_frozen
         self.averages = parse_averages(ema)

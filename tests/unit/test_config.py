@@ -218,3 +218,37 @@ def test_zero3_engines_that_agree_are_not_held_to_the_default() -> None:
     offload = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
     config = zero3_init_config(3, {}, {"actor": offload, "ref": offload}, "32-true")
     assert config is not None and config["zero_optimization"]["offload_param"] == {"device": "cpu"}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"zero_optimization": 3}, r"'g' sets `zero_optimization` to 3.*write `zero_optimization: \{\"stage\": 3\}`"),
+        ({"bf16": True}, r"sets `bf16` to True.*`bf16: \{\"enabled\": true\}`"),
+        ({"optimizer": "Adam"}, r"sets `optimizer` to 'Adam'.*`optimizer: \{\"type\""),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": "cpu"}},
+            r"sets `zero_optimization.offload_param` to 'cpu'.*`offload_param: \{\"device\": \"cpu\"\}`",
+        ),
+    ],
+)
+def test_a_section_that_is_not_an_object_names_it_and_how_to_write_it(
+    config: dict, message: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_config(config, what="the engine 'g'")
+    (tmp_path / "g.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'g' in '.*g.json' sets"):
+        load_config(tmp_path / "g.json", what="the engine 'g'")
+
+
+def test_an_offload_set_to_null_is_accepted() -> None:
+    assert load_config({"zero_optimization": {"offload_param": None}}, what="x") == {
+        "zero_optimization": {"offload_param": None}
+    }
+
+
+@pytest.mark.parametrize("source", [[1, 2], 3, {"a"}])
+def test_a_config_that_is_neither_a_dict_nor_a_path_names_its_type(source: object) -> None:
+    with pytest.raises(ValueError, match=rf"for the engine 'g' is a {type(source).__name__} .*Pass a dict"):
+        load_config(source, what="the engine 'g'")  # type: ignore[arg-type]

@@ -96,3 +96,16 @@ def test_nothing_is_warned_about_for_lightning_own_hooks() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_gradient_readers(pl.LightningModule(), {"d": _fake_engine(3)})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("engine_configs", "message"),
+    [
+        ("file.json", r"engine_configs=...\) got a str \('file.json'\); it maps each submodule's name.*`config=`"),
+        ({"generator": {"zero_optimization": 3}}, r"engine 'generator' sets `zero_optimization` to 3"),
+        ({"generator": [1, 2]}, r"engine 'generator' is a list \(\[1, 2\]\)"),
+    ],
+)
+def test_bad_engine_configs_are_a_value_error_at_construction(engine_configs: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MultiDeepSpeedStrategy(engine_configs=engine_configs)  # type: ignore[arg-type]
