@@ -165,6 +165,24 @@ def check_engines(saved: Mapping[str, Any], engines: Mapping[str, DeepSpeedEngin
         )
 
 
+def check_stages(saved: Mapping[str, Any], engines: Mapping[str, DeepSpeedEngine], path: Path) -> None:
+    """Raise a ValueError, before any engine loads, if an engine's ZeRO stage differs from its saved one.
+
+    ZeRO-1 and ZeRO-2 resume into each other: DeepSpeed saves and loads both with one optimizer class and one
+    layout. Other changes fail inside DeepSpeed's load (0.19.8), so they are refused here, naming the fix.
+    """
+    for name, engine in engines.items():
+        was, now = saved["engines"][name]["stage"], engine.zero_optimization_stage()
+        if was is None or was == now or {was, now} == {1, 2}:
+            continue
+        raise ValueError(
+            f"The checkpoint {str(path)!r} saved the engine {name!r} at ZeRO-{was}, and it is ZeRO-{now} now: "
+            "DeepSpeed cannot load its optimizer state into another stage (ZeRO-1 and ZeRO-2 only load into "
+            f"each other). Resume it at ZeRO-{was} (`stage=` or its `engine_configs` entry), or start a new fit "
+            "from its weights alone: `lightning-multids export` them and load them into the submodule."
+        )
+
+
 def save_weights(module: nn.Module, directory: Path, *, is_global_zero: bool) -> None:
     """Write ``module``'s whole ``state_dict`` to ``directory/weights.pt`` on rank 0; a collective call.
 

@@ -534,6 +534,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         check_names = {n: saved["engines"][n] for n in saved["engines"] if n not in saved["frozen"]}
         checkpoints.check_engines({"engines": check_names}, trainable, path)
         engines = {n: e for n, e in self._engine_set.engines.items() if n in saved["engines"]}
+        checkpoints.check_stages(saved, engines, path)
         checkpoints.load_engines(
             path,
             engines,

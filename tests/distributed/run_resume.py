@@ -1,11 +1,12 @@
 """Per-rank script: train 2 epochs straight, or 1 epoch + save + resume for 1 more; save weights and optimizer state.
 
-Usage: run_resume.py OUT CASE STAGE [STAGE ...] [--after-fit] [--bf16] [--ema] [--weights-only] with CASE ``gan``
-(two engines, Adam) or ``distill`` (frozen ZeRO-3 teacher, saved with ``save_frozen=True``, Adam student). The first
-epoch is saved by ``ModelCheckpoint(save_last=True)``, or with ``--after-fit`` by ``trainer.save_checkpoint`` after
-``fit`` returns. ``--bf16`` trains in ``bf16-mixed``; ``--ema`` adds ``student_ema``, an EMA engine of the student
-(distill only); ``--weights-only`` resumes with ``weights_only=True``. Writes OUT.RANK: {stage: {"straight": ...,
-"resumed": ...}}.
+Usage: run_resume.py OUT CASE STAGE [STAGE ...] [--after-fit] [--bf16] [--ema] [--weights-only] [--resume-stage=S]
+[--no-straight], with CASE ``gan`` (two engines, Adam) or ``distill`` (frozen ZeRO-3 teacher, saved with
+``save_frozen=True``, Adam student). The first epoch is saved by ``ModelCheckpoint(save_last=True)``, or with
+``--after-fit`` by ``trainer.save_checkpoint`` after ``fit`` returns. ``--bf16`` trains in ``bf16-mixed``; ``--ema``
+adds ``student_ema``, an EMA engine of the student (distill only); ``--weights-only`` resumes with
+``weights_only=True``; ``--resume-stage=S`` resumes at ZeRO-S; ``--no-straight`` skips the straight run. Writes
+OUT.RANK: {stage: {"straight": ..., "resumed": ...}}.
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = 
     }
 
 
+def resume_stage(stage: int) -> int:
+    """The stage to resume at: ``--resume-stage=S``, or the stage saved."""
+    given = [arg.split("=")[1] for arg in sys.argv if arg.startswith("--resume-stage=")]
+    return int(given[0]) if given else stage
+
+
 def main() -> None:
     out, case, *stages = (arg for arg in sys.argv[1:] if not arg.startswith("--"))
     after_fit = "--after-fit" in sys.argv
@@ -113,9 +120,9 @@ def main() -> None:
     results = {}
     for stage in map(int, stages):
         root = Path(out).parent / f"{case}-{stage}"
-        straight = fit(case, stage, 2, root / "straight")
+        straight = None if "--no-straight" in sys.argv else fit(case, stage, 2, root / "straight")
         fit(case, stage, 1, root / "first", save_after=after_fit)
-        resumed = fit(case, stage, 2, root / "second", ckpt_path=str(root / "first" / saved))
+        resumed = fit(case, resume_stage(stage), 2, root / "second", ckpt_path=str(root / "first" / saved))
         results[stage] = {"straight": straight, "resumed": resumed}
     torch.save(results, f"{out}.{torch.distributed.get_rank()}")
 

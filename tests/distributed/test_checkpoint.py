@@ -68,6 +68,28 @@ def test_resume_with_weights_only_true_is_bitwise_exact(tmp_path: Path) -> None:
                 torch.load(file, weights_only=True)
 
 
+@pytest.mark.parametrize(("saved", "resumed"), [(1, 2), (2, 1)])
+def test_resume_between_zero1_and_zero2_is_exact(tmp_path: Path, saved: int, resumed: int) -> None:
+    """DeepSpeed saves and loads ZeRO-1 and ZeRO-2 with one optimizer and one layout: a stage change between them."""
+    out = tmp_path / "resume.pt"
+    run_ranks(RESUME, str(out), "gan", str(saved), f"--resume-stage={resumed}", timeout=600)
+    for rank in (0, 1):
+        assert_resumed_exactly(torch.load(f"{out}.{rank}", weights_only=False), f"ZeRO-{saved} -> {resumed}")
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 3), (3, 2), (0, 3), (3, 0), (2, 0), (0, 2)])
+def test_resume_at_another_stage_is_refused_before_any_engine_loads(tmp_path: Path, saved: int, resumed: int) -> None:
+    """Each of these failed inside DeepSpeed's load (an AssertionError with no message, a missing file...)."""
+    with pytest.raises(AssertionError, match="exited with") as failed:
+        run_ranks(RESUME, str(tmp_path / "out"), "gan", str(saved), f"--resume-stage={resumed}", "--no-straight")
+    message = str(failed.value)
+    expected = (
+        rf"saved the engine '(generator|discriminator)' at ZeRO-{saved}, and it is ZeRO-{resumed} now.*Resume it at"
+    )
+    assert re.search(expected, message), message[-3000:]
+    assert "MultiDeepSpeedStrategy: ValueError: The checkpoint" in message  # the strategy's, not DeepSpeed's
+
+
 def assert_resumed_exactly(results: dict, where: str) -> None:
     """Each stage's resumed run (1 epoch, save, resume, 1 more) equals the straight run to the bit."""
     for stage, result in results.items():
