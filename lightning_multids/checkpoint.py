@@ -239,6 +239,28 @@ def load_engines(
             _load_buffers(engine.module, engine_dir, weights_only=restricted)
 
 
+def load_plain_parts(
+    path: Path, module: nn.Module, names: list[str], *, weights_only: bool | None, strict: bool
+) -> None:
+    """Load the weights-only parts ``names`` (frozen and EMA engines when saved) into submodules that are plain now.
+
+    As DDP restores a whole module: a saved average or frozen teacher whose submodule is no engine in this run
+    (no ``ema=``, no ``engine_configs`` entry) gets its saved weights, not its initial ones. A part whose submodule
+    is gone is a ValueError with strict loading, as an unexpected key is.
+    """
+    for name in names:
+        target = getattr(module, name, None)
+        if not isinstance(target, nn.Module):
+            if strict:
+                raise ValueError(
+                    f"The checkpoint {str(path)!r} holds the weights of the submodule {name!r}, which this "
+                    "LightningModule does not have. Load it into the module it was saved from, or pass "
+                    "`strict_loading=False` on the module."
+                )
+            continue
+        load_weights(target, loading.load(path / ENGINE_DIR / name / WEIGHTS_FILE, weights_only), strict=strict)
+
+
 def _saved_at(saved: Mapping[str, Any], engine_dir: Path, *, weights_only: bool) -> int:
     """The world size a checkpoint was saved at; for one saved before it was recorded, DeepSpeed's own record."""
     if "world_size" in saved:

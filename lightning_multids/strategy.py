@@ -545,6 +545,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             is_global_zero=self.is_global_zero,
             barrier=self.barrier,
         )
+        plain_parts = [n for n, i in saved["engines"].items() if i["stage"] is None and n not in engines]
+        checkpoints.load_plain_parts(path, module, plain_parts, weights_only=weights_only, strict=module.strict_loading)
         if self._engine_set.averager is not None:  # an average the checkpoint lacks restarts from its source
             self._engine_set.averager.load_state(saved.get("averages", {}))
 

@@ -1,9 +1,10 @@
 """Per-rank script: a GAN whose generator has an EMA engine, straight or saved after one epoch and resumed.
 
-Usage: run_ema.py OUT DECAY SPEC [SPEC ...], each SPEC ``SOURCE:AVERAGE[:resumed]``, a ZeRO stage each for the
-generator and its average; ``3p0`` is stage 3 with ``stage3_param_persistence_threshold: 0`` (no parameter stays
-gathered between forwards, so the average updates partitions only). Writes OUT on rank 0:
-{spec: {"weights": consolidated state dict after fit, "start": the average's weights when training starts}}.
+Usage: run_ema.py OUT DECAY SPEC [SPEC ...], each SPEC ``SOURCE:AVERAGE[:resumed|:plain]``, a ZeRO stage each for
+the generator and its average (``plain``: resumed without ``ema=``, the average a plain submodule then); ``3p0`` is
+stage 3 with ``stage3_param_persistence_threshold: 0`` (no parameter stays gathered between forwards, so the average
+updates partitions only). Writes OUT on rank 0: {spec: {"weights": consolidated state dict after fit, "start": the
+average's weights when training starts}}.
 """
 
 from __future__ import annotations
@@ -84,9 +85,11 @@ def zero(stage: str) -> dict[str, Any]:
 
 def fit(spec: str, decay: float, epochs: int, root: Path, ckpt_path: str | None = None) -> dict[str, Any]:
     source, average = spec.split(":")[:2]
+    plain = spec.endswith(":plain") and ckpt_path is not None
+    configs = {"generator": zero(source), "discriminator": zero("2"), "generator_ema": zero(average)}
     strategy = MultiDeepSpeedStrategy(
-        engine_configs={"generator": zero(source), "discriminator": zero("2"), "generator_ema": zero(average)},
-        ema={"generator_ema": ("generator", decay)},
+        engine_configs={k: v for k, v in configs.items() if not (plain and k == "generator_ema")},
+        ema=None if plain else {"generator_ema": ("generator", decay)},
     )
     start = AtTrainStart()
     trainer = cpu_trainer(
@@ -106,7 +109,7 @@ def main() -> None:
     results = {}
     for spec in specs:
         root = Path(out).parent / spec.replace(":", "-")
-        if spec.endswith(":resumed"):
+        if spec.endswith((":resumed", ":plain")):
             fit(spec, float(decay), 1, root / "first")
             results[spec] = fit(spec, float(decay), 2, root / "second", ckpt_path=str(root / "first" / "last.ckpt"))
         else:

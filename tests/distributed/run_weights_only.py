@@ -2,10 +2,11 @@
 
 MODE ``train``: one epoch of a distillation with a frozen ZeRO-3 teacher (saved: ``save_frozen=True``), a ZeRO-2
 Adam student and its EMA, saved by ``ModelCheckpoint`` to ROOT/ckpts/last.ckpt.
-MODE ``load``: for each CASE ``NAME:WEIGHTS_ONLY:CALL[:bypass]`` (WEIGHTS_ONLY ``none``, ``true`` or ``false``; CALL
-``fit`` or ``validate``), ``trainer.CALL(ckpt_path=ROOT/cases/NAME/last.ckpt, weights_only=...)``; prints
-``RESULT NAME: ok`` or ``RESULT NAME: ErrorType: message``. With ``bypass`` the strategy's look at the pickles
-before loading finds nothing, so only torch's restricted unpickler, DeepSpeed's reads included, stands in the way.
+MODE ``load``: for each CASE ``NAME:WEIGHTS_ONLY:CALL[:bypass][:no-ema]`` (WEIGHTS_ONLY ``none``, ``true`` or
+``false``; CALL ``fit`` or ``validate``), ``trainer.CALL(ckpt_path=ROOT/cases/NAME/last.ckpt, weights_only=...)``;
+prints ``RESULT NAME: ok`` or ``RESULT NAME: ErrorType: message``. With ``bypass`` the strategy's look at the pickles
+before loading finds nothing, so only torch's restricted unpickler, DeepSpeed's reads included, stands in the way;
+with ``no-ema`` the module has no ``student_ema`` and the strategy no ``ema=``.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ class Distill(pl.LightningModule):
     val_dataloader = train_dataloader
 
 
-def trainer(root: Path, epochs: int) -> pl.Trainer:
+def trainer(root: Path, epochs: int, ema: bool = True) -> pl.Trainer:
     strategy = MultiDeepSpeedStrategy(
         stage=2,
         engine_configs={"teacher": {"zero_optimization": {"stage": 3}}},
-        ema={"student_ema": ("student", 0.9)},
+        ema={"student_ema": ("student", 0.9)} if ema else None,
         save_frozen=True,
     )
     checkpoints = ModelCheckpoint(dirpath=root / "ckpts", save_last=True, save_top_k=0)
@@ -62,13 +63,16 @@ def trainer(root: Path, epochs: int) -> pl.Trainer:
 
 
 def load(root: Path, case: str) -> str:
-    name, weights_only, call, *bypass = case.split(":")
+    name, weights_only, call, *flags = case.split(":")
     path = str(root / "cases" / name / "last.ckpt")
-    t = trainer(root / "cases" / name / "run", 2)
-    scan = mock.patch("torch.serialization.get_unsafe_globals_in_checkpoint", return_value=[]) if bypass else None
+    t = trainer(root / "cases" / name / "run", 2, ema="no-ema" not in flags)
+    module = Distill()
+    if "no-ema" in flags:
+        del module.student_ema
+    scan = mock.patch("torch.serialization.get_unsafe_globals_in_checkpoint", return_value=[])
     try:
-        with scan or mock.patch.dict({}):
-            getattr(t, call)(Distill(), ckpt_path=path, weights_only=WEIGHTS_ONLY[weights_only])
+        with scan if "bypass" in flags else mock.patch.dict({}):
+            getattr(t, call)(module, ckpt_path=path, weights_only=WEIGHTS_ONLY[weights_only])
     except Exception as error:  # noqa: BLE001 - the message is the result
         return f"{type(error).__name__}: {error}".replace("\n", " ")
     return "ok"

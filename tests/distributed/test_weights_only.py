@@ -89,6 +89,16 @@ def test_restricted_loading_does_not_depend_on_the_look_before_loading(trained: 
     assert not marker.exists()
 
 
+def test_a_saved_average_whose_submodule_is_gone_is_refused_with_strict_loading(trained: Path) -> None:
+    shutil.copytree(trained / "ckpts" / "last.ckpt", trained / "cases" / "no-ema" / "last.ckpt")
+    outputs = run_ranks(SCRIPT, "load", str(trained), "no-ema:none:fit:no-ema")
+    for output in outputs:
+        message = re.search(r"^RESULT no-ema: (.*)$", output, flags=re.M)
+        assert message is not None, output[-3000:]
+        expected = r"ValueError: The checkpoint .* holds the weights of the submodule 'student_ema', which this"
+        assert re.match(expected, message.group(1)), message.group(1)
+
+
 @pytest.mark.parametrize("part", sorted(PARTS))
 def test_export_refuses_a_poisoned_part_unless_unsafe_load(trained: Path, part: str) -> None:
     file, marker = poisoned_copy(trained, f"export-{part}", PARTS[part])
