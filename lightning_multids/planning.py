@@ -25,6 +25,7 @@ from lightning.pytorch.core.optimizer import (
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch import nn
 from torch.optim import Optimizer
 
 from lightning_multids.config import frozen_config
@@ -64,6 +65,8 @@ def plan_engines(
         for name in overrides
         if name not in matched and name not in from_config
     }
+    for name in frozen:
+        _check_has_parameters(name, getattr(module, name))
     manual = not module.automatic_optimization
     return Plan(optimizers, scheduler_configs, matched, from_config, frozen, manual, switched=automatic and manual)
 
@@ -117,6 +120,16 @@ def _refuse_accumulation_in_manual(trainer: pl.Trainer, module: pl.LightningModu
             f"{total} trainable engines, so it runs manual optimization, where Lightning does not accumulate "
             "gradients. Remove the setting and accumulate in `training_step` (call `self.manual_backward(loss / N)` "
             "for N batches, then `opt.step()` and `opt.zero_grad()`), or train one engine."
+        )
+
+
+def _check_has_parameters(name: str, submodule: nn.Module) -> None:
+    """Refuse a frozen engine for a submodule without parameters (DeepSpeed fails inside on one, at ZeRO-3)."""
+    if next(submodule.parameters(), None) is None:
+        raise ValueError(
+            f"The submodule {name!r} has an `engine_configs` entry and no optimizer, so it would be a frozen engine, "
+            "but it has no parameters for DeepSpeed to hold. Remove its entry: without one it runs as a plain "
+            "submodule, as a parameterless module needs."
         )
 
 

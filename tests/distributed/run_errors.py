@@ -193,6 +193,15 @@ SCHEDULED = {  # an optimizer and a scheduler from the DeepSpeed config: the eng
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 2}},
 }
 
+
+class WithHead(GAN):
+    """The GAN with a submodule that has no parameters."""
+
+    def __init__(self) -> None:
+        super().__init__(returns_loss)
+        self.head = torch.nn.Tanh()
+
+
 SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "no_optimizer": (lambda: GAN(optimizers="none"), {}),
     "spanning_optimizer": (lambda: GAN(optimizers="spanning"), {}),
@@ -224,6 +233,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         lambda: GAN(returns_loss, "generator"),
         {"engines": {"generator": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}}},
     ),
+    "frozen_without_parameters": (WithHead, {"engines": {"head": {"zero_optimization": {"stage": 3}}}}),
     "ema_of_another_shape": (lambda: GAN(returns_loss, "generator"), {"ema": {"discriminator": ("generator", 0.9)}}),
     "ema_that_is_trained": (lambda: GAN(returns_loss, "generator"), {"ema": {"generator": ("discriminator", 0.9)}}),
     **{f"plain_backward_zero{stage}": (lambda: GAN(plain_backward), {"stage": stage}) for stage in range(4)},

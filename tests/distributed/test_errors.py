@@ -38,6 +38,8 @@ EXPECTED = {
     "zero_grad_before_step": r"engine 'generator' was called with no gradient since its last step or `zero_grad\(\)`",
     "offload_with_torch_optimizer": r"engine 'generator' offloads its optimizer states .*`torch.optim.sgd.SGD`.*"
     r"DeepSpeedCPUAdam\(self.generator.parameters\(\), ...\).*zero_force_ds_cpu_optimizer",
+    "frozen_without_parameters": r"submodule 'head' has an `engine_configs` entry and no optimizer.*no parameters.*"
+    r"Remove its entry",
     "ema_of_another_shape": r"EMA engine 'discriminator' cannot average 'generator': their parameters differ.*deepcopy",
     "ema_that_is_trained": r"EMA engine 'generator' \(`ema=`\) has an optimizer.*stop returning an optimizer over",
     **{
