@@ -42,6 +42,7 @@ from lightning_multids.lifecycle import (
     agree_on_failure,
     build_engines,
     build_evaluation_engines,
+    is_partitioned,
     release_engines,
     sync_replicated_states,
     zero3_init,
@@ -354,11 +355,25 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 sequences = actor.generate(prompts, length)
 
         The whole submodule, in its engine's dtype, is on every rank during the block. At ZeRO-0/1/2 it is whole
-        anyway and only ``no_grad`` applies.
+        anyway and only ``no_grad`` applies; so it is under ``validate``/``test``/``predict``, where only ZeRO-3
+        submodules get an engine and the others are plain.
         """
         engines = self._engine_set
+        plain = None if name in engines.engines else self._whole_outside_fit(name)
+        if plain is not None:  # validate/test/predict build engines for ZeRO-3 submodules only
+            with torch.no_grad():
+                yield plain
+            return
         with gathered(name, engines.engines, engines.gathering, engines.optimizers) as module:
             yield module
+
+    def _whole_outside_fit(self, name: str) -> torch.nn.Module | None:
+        """The LightningModule's whole submodule ``name`` during validate, test or predict; None otherwise."""
+        module = self.lightning_module
+        if module is None or module._trainer is None or module.trainer.state.fn == TrainerFn.FITTING:
+            return None
+        child = getattr(module, name, None)
+        return child if isinstance(child, torch.nn.Module) and not is_partitioned(child) else None
 
     @contextmanager
     def offloaded(self, *names: str) -> Iterator[None]:

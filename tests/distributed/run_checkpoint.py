@@ -4,6 +4,8 @@ MODE ``train``: 1 epoch of the GAN at ZeRO-3 with ModelCheckpoint; saves the liv
 MODE ``kill``: 2 epochs; rank 1 is SIGKILLed while the epoch-1 checkpoint is being written.
 MODE ``resume``: resume from ROOT/ckpts/last.ckpt for a third epoch; writes ROOT/resumed.json.
 MODE ``errors``: bad ckpt_path values; prints ``RESULT name: message``.
+MODE ``gathered``: ``trainer.validate`` at ZeRO 0-3 of a GAN whose ``validation_step`` samples inside
+``gathered("generator")``; writes ROOT/gathered.json, {stage: val_score or the error}.
 MODE ``validate``: ``trainer.validate(ckpt_path=ROOT/ckpts/last.ckpt)`` in a fresh process; writes ROOT/val.json.
 """
 
@@ -48,6 +50,16 @@ class GAN(pl.LightningModule):
         return torch.utils.data.DataLoader(patterns.make_batches(2), batch_size=4)
 
     val_dataloader = train_dataloader
+
+
+class GatheredGAN(GAN):
+    """The GAN sampling inside ``gathered``, as a generation loop would."""
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        real, z = patterns.split(batch)
+        with self.trainer.strategy.gathered("generator") as generator:  # type: ignore[attr-defined]
+            fake = generator(z)
+        self.log("val_score", self.discriminator(fake).mean(), sync_dist=True)
 
 
 class Student(pl.LightningModule):
@@ -111,6 +123,16 @@ def main() -> None:
         (metrics,) = t.validate(GAN(), ckpt_path=str(root / "ckpts" / "last.ckpt"))
         if t.global_rank == 0:
             (root / "val.json").write_text(json.dumps(metrics))
+    elif mode == "gathered":
+        scores = {}
+        for stage in range(4):
+            try:
+                (metrics,) = cpu_trainer(MultiDeepSpeedStrategy(stage=stage)).validate(GatheredGAN())
+                scores[stage] = metrics["val_score"]
+            except ValueError as error:
+                scores[stage] = str(error)
+        if torch.distributed.get_rank() == 0:
+            (root / "gathered.json").write_text(json.dumps(scores))
     elif mode == "errors":
         (root / "plain.ckpt").write_bytes(b"not a checkpoint")
         cases = {

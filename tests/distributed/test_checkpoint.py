@@ -191,6 +191,16 @@ def test_validate_from_a_checkpoint_in_a_fresh_process(trained: Path) -> None:
     assert metrics["val_score"] == pytest.approx(expected, abs=1e-6)
 
 
+def test_gathered_in_validation_step_works_under_validate_at_every_stage(tmp_path: Path) -> None:
+    """Outside fit only ZeRO-3 submodules get an engine; ``gathered`` of a whole one only turns gradients off."""
+    run_ranks(SCENARIOS, "gathered", str(tmp_path))
+    generator, discriminator = patterns.make_modules()
+    _, z = patterns.split(patterns.make_batches(2))
+    expected = discriminator(generator(z)).mean().item()
+    for stage, score in json.loads((tmp_path / "gathered.json").read_text()).items():
+        assert score == pytest.approx(expected, abs=1e-6), f"ZeRO-{stage}: {score}"
+
+
 def test_bad_checkpoint_paths_fail_clearly(trained: Path) -> None:
     outputs = run_ranks(SCENARIOS, "errors", str(trained))
     messages = dict(re.findall(r"^RESULT (\w+): (.*)$", outputs[0], flags=re.M))
