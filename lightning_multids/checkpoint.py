@@ -19,8 +19,9 @@ Layout of a checkpoint ``PATH`` (a directory, whatever its name, e.g. ``epoch=3-
 
 Every rank writes its partitions into ``PATH.partial``; when all have finished, rank 0 moves the
 finished directory to ``PATH``. A process killed while saving leaves only ``PATH.partial``, which is
-never loaded. Replacing an existing ``PATH`` (``last.ckpt``) moves the old one to ``PATH.old`` first;
-if a save dies between the two renames, loading ``PATH`` finds ``PATH.old``.
+never loaded. Replacing an existing ``PATH`` (``last.ckpt``) moves the old one to ``last.old.ckpt`` first
+(:func:`old_path`) and deletes it once the new one is in place. If a save dies between the two renames, the
+old one is still found: by ``ckpt_path="last"`` (Lightning looks for ``last*.ckpt``), and by loading ``PATH``.
 
 Frozen engines are not saved unless asked (their weights never change during fit); EMA engines always are.
 """
@@ -114,8 +115,17 @@ def save(
     barrier("multids.save.done")
 
 
+def old_path(path: Path) -> Path:
+    """Where a save keeps the checkpoint at ``path`` it replaces: ``last.ckpt`` -> ``last.old.ckpt``.
+
+    Ending in ``.ckpt`` and starting as the name did, it is what Lightning's ``ckpt_path="last"`` finds
+    (``last*.ckpt``, the newest) when a save died before ``path`` was back.
+    """
+    return path.with_name(f"{path.stem}.old{path.suffix}") if path.suffix else path.with_name(path.name + ".old")
+
+
 def _move_into_place(partial: Path, path: Path) -> None:
-    old = path.with_name(path.name + ".old")
+    old = old_path(path)
     if path.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(path, old)
@@ -124,14 +134,14 @@ def _move_into_place(partial: Path, path: Path) -> None:
 
 
 def resolve(path: str | Path) -> Path:
-    """The complete checkpoint directory at ``path`` (or at ``path.old`` after an interrupted replace).
+    """The complete checkpoint directory at ``path`` (or at :func:`old_path` after an interrupted replace).
 
     Raises:
         ValueError: nothing is there, or it is not a checkpoint of this strategy.
     """
     path = Path(path)
     if not path.exists():
-        old = path.with_name(path.name + ".old")
+        old = old_path(path)
         if (old / LIGHTNING_FILE).is_file():
             return old
         raise ValueError(

@@ -90,7 +90,9 @@ class MultiDeepSpeedCLI(LightningCLI):
         arguments["ckpt_path"] = None if found is None else str(found)
 
 
-_LAST = re.compile(rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-v?\d+)?{re.escape(ModelCheckpoint.FILE_EXTENSION)}$")
+_LAST = re.compile(
+    rf"^{ModelCheckpoint.CHECKPOINT_NAME_LAST}(-v?\d+)?(\.old)?{re.escape(ModelCheckpoint.FILE_EXTENSION)}$"
+)  # `.old`: the last checkpoint kept while a save replaced it (checkpoint.old_path), if that save died
 
 
 def _checkpoints_per_version(trainer: pl.Trainer) -> bool:

@@ -2,7 +2,9 @@
 
 MODE ``train``: 1 epoch of the GAN at ZeRO-3 with ModelCheckpoint; saves the live weights to ROOT/live.pt.
 MODE ``kill``: 2 epochs; rank 1 is SIGKILLed while the epoch-1 checkpoint is being written.
-MODE ``resume``: resume from ROOT/ckpts/last.ckpt for a third epoch; writes ROOT/resumed.json.
+MODE ``kill_between_renames``: 2 epochs; rank 0 is SIGKILLed between the two renames that replace last.ckpt.
+MODE ``resume`` / ``resume_last``: resume from ROOT/ckpts/last.ckpt (``resume_last``: ``ckpt_path="last"``) up to a
+third epoch; writes ROOT/resumed.json: the epoch training started at, and the epoch and step it ended at.
 MODE ``errors``: bad ckpt_path values; prints ``RESULT name: message``.
 MODE ``gathered``: ``trainer.validate`` at ZeRO 0-3 of a GAN whose ``validation_step`` samples inside
 ``gathered("generator")``; writes ROOT/gathered.json, {stage: val_score or the error}.
@@ -102,6 +104,30 @@ def kill_during_second_save() -> None:
     DeepSpeedEngine.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
 
 
+def kill_between_renames() -> None:
+    """SIGKILL rank 0 right after it moved last.ckpt aside (to last.old.ckpt), before the new one takes its place."""
+    from lightning_multids import checkpoint
+
+    original = os.replace
+
+    def replace(source: object, target: object) -> None:
+        original(source, target)
+        if Path(str(target)).name == "last.old.ckpt":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint.os.replace = replace  # type: ignore[attr-defined]
+
+
+class StartEpoch(pl.Callback):
+    """The epoch training starts at, after any resume."""
+
+    def __init__(self) -> None:
+        self.value = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.value = trainer.current_epoch
+
+
 def main() -> None:
     mode, root = sys.argv[1], Path(sys.argv[2])
     if mode == "train":
@@ -113,11 +139,16 @@ def main() -> None:
     elif mode == "kill":
         kill_during_second_save()
         trainer(root, 2).fit(GAN())
-    elif mode == "resume":
-        t = trainer(root, 3)
-        t.fit(GAN(), ckpt_path=str(root / "ckpts" / "last.ckpt"))
+    elif mode == "kill_between_renames":
+        kill_between_renames()
+        trainer(root, 2).fit(GAN())
+    elif mode in ("resume", "resume_last"):
+        t, start = trainer(root, 3), StartEpoch()
+        t.callbacks.append(start)  # type: ignore[attr-defined]
+        t.fit(GAN(), ckpt_path="last" if mode == "resume_last" else str(root / "ckpts" / "last.ckpt"))
         if t.global_rank == 0:
-            (root / "resumed.json").write_text(json.dumps({"epoch": t.current_epoch, "step": t.global_step}))
+            result = {"start_epoch": start.value, "epoch": t.current_epoch, "step": t.global_step}
+            (root / "resumed.json").write_text(json.dumps(result))
     elif mode == "validate":
         t = cpu_trainer(MultiDeepSpeedStrategy(stage=3))
         (metrics,) = t.validate(GAN(), ckpt_path=str(root / "ckpts" / "last.ckpt"))

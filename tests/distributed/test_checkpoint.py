@@ -221,4 +221,26 @@ def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> 
     last = torch.load(ckpts / "last.ckpt" / "lightning.pt", weights_only=False)
     assert last["epoch"] == 0, "last.ckpt must still be the complete epoch-0 checkpoint"
     run_ranks(SCENARIOS, "resume", str(tmp_path))
-    assert json.loads((tmp_path / "resumed.json").read_text()) == {"epoch": 3, "step": 12}
+    assert json.loads((tmp_path / "resumed.json").read_text()) == {"start_epoch": 1, "epoch": 3, "step": 12}
+
+
+def test_a_save_killed_between_its_renames_keeps_the_last_checkpoint_for_ckpt_path_last(tmp_path: Path) -> None:
+    """Replacing last.ckpt moves it to last.old.ckpt first; killed right then, ``ckpt_path="last"`` finds it."""
+    with pytest.raises(AssertionError, match="exited with|did not finish"):
+        run_ranks(SCENARIOS, "kill_between_renames", str(tmp_path), timeout=120)
+    ckpts = tmp_path / "ckpts"
+    assert sorted(p.name for p in ckpts.iterdir() if "last" in p.name) == ["last.ckpt.partial", "last.old.ckpt"]
+    run_ranks(SCENARIOS, "resume_last", str(tmp_path))
+    assert json.loads((tmp_path / "resumed.json").read_text()) == {"start_epoch": 1, "epoch": 3, "step": 12}
+    assert sorted(p.name for p in ckpts.iterdir() if "last" in p.name) == ["last.ckpt"]  # the old one, once replaced
+
+
+def test_loading_a_path_whose_replacement_died_finds_the_old_one(tmp_path: Path) -> None:
+    from lightning_multids.checkpoint import resolve
+
+    (tmp_path / "last.old.ckpt").mkdir()
+    (tmp_path / "last.old.ckpt" / "lightning.pt").touch()
+    (tmp_path / "final.old").mkdir()
+    (tmp_path / "final.old" / "lightning.pt").touch()
+    assert resolve(tmp_path / "last.ckpt") == tmp_path / "last.old.ckpt"
+    assert resolve(tmp_path / "final") == tmp_path / "final.old"
