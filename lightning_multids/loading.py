@@ -12,8 +12,8 @@ module carries it to every file of a checkpoint directory (:mod:`lightning_multi
   them restricted too, with the few DeepSpeed classes that its optimizer states hold allowed
   (:func:`lightning_multids.internals.checkpoint_globals`, one list);
 * before anything loads, :func:`reading` looks at the pickle of every ``.pt`` file in the checkpoint (not
-  their tensors) on every rank, so a refused checkpoint fails before any engine loads, on every rank alike,
-  with an error naming the file.
+  their tensors, nor unfinished ``*.partial`` folders) on every rank, so a refused checkpoint fails before any
+  engine loads, on every rank alike, with an error naming the file.
 
 ``weights_only=False`` turns all of this off, as it does for ``torch.load`` and Lightning.
 """
@@ -71,7 +71,7 @@ def reading(checkpoint: Path, weights_only: bool | None, opt_out: str = TRAINER_
         yield
         return
     with torch.serialization.safe_globals(internals.checkpoint_globals()), _forcing():
-        for file in sorted(checkpoint.rglob("*.pt")):
+        for file in _loadable(checkpoint):
             _refuse_unsafe(file, opt_out)
         _inside = True
         try:
@@ -82,11 +82,27 @@ def reading(checkpoint: Path, weights_only: bool | None, opt_out: str = TRAINER_
             _inside = False
 
 
+def _loadable(checkpoint: Path) -> list[Path]:
+    """The ``.pt`` files of ``checkpoint`` that a load may read: none inside a ``*.partial`` folder.
+
+    Those are saves or conversions that did not finish (or are being written by rank 0 now): never loaded.
+    """
+    return sorted(
+        file
+        for file in checkpoint.rglob("*.pt")
+        if not any(part.endswith(".partial") for part in file.relative_to(checkpoint).parts)
+    )
+
+
 def _refuse_unsafe(file: Path, opt_out: str) -> None:
-    """Raise an UnpicklingError naming ``file`` if its pickle names a global that restricted loading refuses."""
+    """Raise an UnpicklingError naming ``file`` if its pickle names a global that restricted loading refuses.
+
+    A file this cannot read (not torch's zip format, truncated, gone) is left to ``torch.load``, restricted in
+    the block, to accept or refuse.
+    """
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-    except ValueError:  # not torch's zip format (a legacy file): torch.load itself restricts it in the block
+    except (ValueError, RuntimeError, OSError):
         return
     if unsafe:
         raise pickle.UnpicklingError(_refusal(str(file), ", ".join(sorted(unsafe)), opt_out))

@@ -107,3 +107,16 @@ def test_the_environment_is_restored_after_the_block(checkpoint: Path, monkeypat
     with loading.reading(checkpoint, None):
         assert os.environ[loading.FORCE] == "1"
     assert os.environ[loading.FORCE] == "true"
+
+
+def test_unfinished_and_unreadable_files_are_left_to_torch_load(checkpoint: Path, tmp_path: Path) -> None:
+    """A killed save or conversion (``*.partial``) is never loaded; a truncated file is torch.load's to refuse."""
+    partial = checkpoint / "engines" / "a" / "universal.partial" / "tmp"
+    partial.mkdir(parents=True)
+    poison(checkpoint / "engines" / "a" / "optim.pt", tmp_path / "ran")  # poisoned, then copied where nothing loads
+    (partial / "optim.pt").write_bytes((checkpoint / "engines" / "a" / "optim.pt").read_bytes())
+    (partial / "truncated.pt").write_bytes((checkpoint / "lightning.pt").read_bytes()[:40])
+    torch.save({"weight": torch.ones(2)}, checkpoint / "engines" / "a" / "optim.pt")  # the loadable one, clean
+    (checkpoint / "truncated.pt").write_bytes((checkpoint / "lightning.pt").read_bytes()[:40])
+    with loading.reading(checkpoint, None), pytest.raises(RuntimeError):  # torch.load's own error, truncated
+        torch.load(checkpoint / "truncated.pt", weights_only=False)
