@@ -566,8 +566,16 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             self._engine_set.averager.load_state(saved.get("averages", {}))
 
     def _load_plain(self, state: Mapping[str, Any], strict: bool) -> None:
-        assert self.lightning_module is not None
-        result = self.lightning_module.load_state_dict(state, strict=False)
+        """Load the plain submodules' entries; one ZeRO-3 holds partitioned (outside fit) is gathered for it."""
+        module = self.lightning_module
+        assert module is not None
+        partitioned = {name for name, child in module.named_children() if is_partitioned(child)}
+        for name in partitioned:
+            own = {k.split(".", 1)[1]: v for k, v in state.items() if k.split(".", 1)[0] == name}
+            if own:
+                checkpoints.load_weights(getattr(module, name), own, strict=strict)
+        rest = {k: v for k, v in state.items() if k.split(".", 1)[0] not in partitioned}
+        result = module.load_state_dict(rest, strict=False)
         if strict and result.unexpected_keys:
             raise ValueError(
                 f"The checkpoint has weights for {result.unexpected_keys[:5]}, which this LightningModule does not "

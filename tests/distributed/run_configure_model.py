@@ -7,7 +7,8 @@ CASE is one of:
 * ``config_stage``: ZeRO-3 comes from the strategy's ``config=``, not its ``stage=``;
 * ``own_dtype``: the ZeRO-3 teacher's own entry asks for bf16, the default is fp32;
 * ``tied``: the student (ZeRO-2) ties its two layers' weights;
-* ``fit``: a ZeRO-3 teacher and a ZeRO-3 student, saved to ``OUT.ckpt``;
+* ``fit``: a ZeRO-3 teacher and a ZeRO-3 student, and a plain ``head`` (no optimizer, no entry) set to 0.5 when
+  training starts, saved to ``OUT.ckpt``;
 * ``test``: a new process tests the checkpoint of ``fit`` (OUT names the same file).
 
 Rank 0 saves what it saw in ``OUT``.
@@ -47,6 +48,8 @@ class Built(pl.LightningModule):
         if hasattr(self, "teacher"):
             return
         self.teacher, self.student = patterns.make_distill_modules()
+        if self.case in ("fit", "test"):
+            self.head = nn.Linear(4, 4)
         if self.case == "tied":
             self.student = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 4))
             self.student[2].weight = self.student[0].weight
@@ -57,6 +60,10 @@ class Built(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.seen["tied_in_training"] = self.case != "tied" or self.student[2].weight is self.student[0].weight
+        if self.case == "fit":  # whole again at setup: a plain submodule
+            with torch.no_grad():
+                for param in self.head.parameters():
+                    param.fill_(0.5)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         patterns.distill_step(self.teacher, self.student, batch, self.optimizers(), self.manual_backward)
@@ -64,7 +71,9 @@ class Built(pl.LightningModule):
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         real, _ = patterns.split(batch)
         self.test_inputs.append(real.clone())
-        self.test_outputs.append(torch.cat([self.teacher(real), self.student(real)], dim=1).float().clone())
+        student = self.student(real)
+        outputs = [self.teacher(real), student, self.head(student)]
+        self.test_outputs.append(torch.cat(outputs, dim=1).float().clone())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return patterns.make_optimizer("sgd", self.student.parameters())

@@ -49,8 +49,12 @@ def test_test_from_a_checkpoint_in_a_fresh_process_at_zero3(tmp_path: Path) -> N
     teacher.load_state_dict({k.removeprefix("teacher."): v for k, v in fitted["weights"].items() if "teacher." in k})
     student.load_state_dict({k.removeprefix("student."): v for k, v in fitted["weights"].items() if "student." in k})
     teacher.eval()
+    head = torch.nn.Linear(4, 4)  # the plain submodule, saved at 0.5 everywhere, built partitioned in the new process
+    torch.nn.init.constant_(head.weight, 0.5)
+    torch.nn.init.constant_(head.bias, 0.5)
     with torch.no_grad():
-        expected = torch.cat([teacher(tested["inputs"]), student(tested["inputs"])], dim=1)
+        trained = student(tested["inputs"])
+        expected = torch.cat([teacher(tested["inputs"]), trained, head(trained)], dim=1)
     initial = patterns.make_distill_modules()[1](tested["inputs"])
-    assert (expected[:, 4:] - initial).abs().max().item() > 1e-3, "the student barely trained: the test would be weak"
+    assert (expected[:, 4:8] - initial).abs().max().item() > 1e-3, "the student barely trained: the test would be weak"
     assert (tested["outputs"] - expected).abs().max().item() <= TOLERANCE
