@@ -59,19 +59,22 @@ def load(file: Path, weights_only: bool | None) -> Any:
 
 
 @contextmanager
-def reading(checkpoint: Path, weights_only: bool | None, opt_out: str = TRAINER_OPT_OUT) -> Iterator[None]:
+def reading(
+    checkpoint: Path, weights_only: bool | None, opt_out: str = TRAINER_OPT_OUT, *, look: bool = True
+) -> Iterator[None]:
     """Read the checkpoint directory ``checkpoint`` in the block, DeepSpeed's reads included, as ``weights_only`` says.
 
     Restricted, it first refuses a checkpoint whose files hold other objects than tensors, plain types and
     DeepSpeed's own (an ``UnpicklingError`` naming the file and ``opt_out``, how to load it anyway), then makes
     every ``torch.load`` in the block restricted. Not a collective: every rank decides the same from the files.
+    ``look=False`` skips the first part, for a checkpoint an earlier block looked at already.
     """
     global _inside
     if _inside or not restricted(weights_only):
         yield
         return
     with torch.serialization.safe_globals(internals.checkpoint_globals()), _forcing():
-        for file in _loadable(checkpoint):
+        for file in _loadable(checkpoint) if look else []:
             _refuse_unsafe(file, opt_out)
         _inside = True
         try:

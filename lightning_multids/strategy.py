@@ -532,7 +532,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         pending, self._loading = self._loading, None
         if pending is None:
             return
-        with loading.reading(pending.path, pending.weights_only):
+        with loading.reading(pending.path, pending.weights_only, look=False):  # load_checkpoint looked
             self._load_engines(pending.path, pending.saved, pending.weights_only)
         if pending.plain is not None:
             self._load_plain(pending.plain, pending.strict)
