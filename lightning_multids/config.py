@@ -115,6 +115,11 @@ def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any
     return merged
 
 
+def zero_stage(config: Mapping[str, Any]) -> int:
+    """The ZeRO stage of a resolved DeepSpeed config."""
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
 def validate_stage(stage: Any, *, what: str) -> int:
     """Return ``stage`` if it is a ZeRO stage (0-3), else raise a ValueError naming ``what``."""
     if isinstance(stage, bool) or stage not in VALID_STAGES:

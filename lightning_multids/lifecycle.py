@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids import internals
-from lightning_multids.config import engine_config, frozen_config, merge, sized_buckets
+from lightning_multids.config import engine_config, frozen_config, merge, sized_buckets, zero_stage
 from lightning_multids.data import per_process_batch_size, train_loaders
 from lightning_multids.ema import Average, build_averager, check_averages
 from lightning_multids.engines import EngineSet
@@ -87,7 +87,7 @@ def build_engines(
         }
         for name in configs:
             check_batch_settings(name, merge(default, overrides.get(name, {})), loader_batch, trainer.world_size)
-    _unpartition_children(module, keep=lambda name: _stage(configs[name]) == 3)
+    _unpartition_children(module, keep=lambda name: zero_stage(configs[name]) == 3)
     with _agreed(agree):
         plan = plan_engines(trainer, module, configs, overrides)
         check_averages(averages or {}, module, [*plan.matched, *plan.from_config], configs)
@@ -298,10 +298,6 @@ def _agreed(agree: Callable[[BaseException | None], None]) -> Iterator[None]:
         agree(error)
         raise
     agree(None)
-
-
-def _stage(config: Mapping[str, Any]) -> int:
-    return int(config["zero_optimization"].get("stage", 0))
 
 
 def _unpartition_children(module: pl.LightningModule, keep: Callable[[str], bool]) -> None:

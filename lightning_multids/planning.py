@@ -7,7 +7,7 @@ Settings that cannot work are refused here, and user hooks that would misread Ze
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_multids.config import frozen_config
+from lightning_multids.config import frozen_config, zero_stage
 from lightning_multids.discovery import match_optimizers
 from lightning_multids.optimizer import EngineScheduler
 
@@ -67,6 +67,7 @@ def plan_engines(
     }
     for name in frozen:
         _check_has_parameters(name, getattr(module, name))
+    check_disjoint(module, [*matched, *from_config, *frozen], configs)
     manual = not module.automatic_optimization
     return Plan(optimizers, scheduler_configs, matched, from_config, frozen, manual, switched=automatic and manual)
 
@@ -131,6 +132,38 @@ def _check_has_parameters(name: str, submodule: nn.Module) -> None:
             "but it has no parameters for DeepSpeed to hold. Remove its entry: without one it runs as a plain "
             "submodule, as a parameterless module needs."
         )
+
+
+def check_disjoint(module: nn.Module, engines: Sequence[str], configs: Mapping[str, Mapping[str, Any]]) -> None:
+    """Refuse a parameter shared by two engines, or by a plain submodule and a ZeRO-3 engine.
+
+    An engine owns its parameters: a frozen one turns their gradients off, a ZeRO-3 one partitions them. A
+    second owner would silently stop the shared layer training, run on a copy of it, or fail inside DeepSpeed.
+    Plain submodules sharing with a ZeRO-0/1/2 engine are fine: the loss reaches that engine through them.
+    """
+    owner: dict[nn.Parameter, str] = {}
+    for name in engines:
+        for param in getattr(module, name).parameters():
+            other = owner.setdefault(param, name)
+            if other != name:
+                raise ValueError(
+                    f"The engines {other!r} and {name!r} share a parameter. An engine owns its parameters (a frozen "
+                    "one turns their gradients off, a ZeRO-3 one partitions them), so the shared layer would stop "
+                    f"training or fail inside DeepSpeed. If {name!r} only reuses the layer, remove its "
+                    "`engine_configs` entry (it then runs as a plain submodule); otherwise give it its own copy "
+                    "(`copy.deepcopy`)."
+                )
+    for name, child in module.named_children():
+        if name in engines:
+            continue
+        for param in child.parameters():
+            holder = owner.get(param)
+            if holder is not None and zero_stage(configs[holder]) == 3:
+                raise ValueError(
+                    f"The plain submodule {name!r} shares a parameter with the ZeRO-3 engine {holder!r}, which "
+                    f"partitions it: {name!r} would run on a copy that does not train. Give {holder!r} ZeRO-0/1/2 "
+                    f"in `engine_configs`, or call the shared layer through `self.{holder}` in the forward."
+                )
 
 
 def _check_one_optimizer(name: str, config: Mapping[str, Any]) -> None:

@@ -202,7 +202,43 @@ class WithHead(GAN):
         self.head = torch.nn.Tanh()
 
 
+class WithProbe(GAN):
+    """The GAN with a submodule that reuses the discriminator's first layer."""
+
+    def __init__(self, step: Callable[[GAN, torch.Tensor], object] = returns_loss) -> None:
+        super().__init__(step)
+        self.probe = torch.nn.Sequential(self.discriminator[0])
+
+
+def trains_through_probe(module: GAN, batch: torch.Tensor) -> None:
+    """A plain submodule reusing a ZeRO-0/1/2 engine's layer: the loss reaches that engine through it, as under DDP."""
+    real, _ = patterns.split(batch)
+    _, opt_d = module.optimizers()
+    before = module.discriminator[0].weight.detach().clone()
+    module.manual_backward(module.probe(real).pow(2).mean())
+    opt_d.step()
+    opt_d.zero_grad()
+    if torch.equal(before, module.discriminator[0].weight):
+        raise RuntimeError("the shared layer did not train")
+
+
+def sharing(probe_stage: int | None, discriminator_stage: int) -> dict:
+    """``probe_stage=None``: the probe has no entry, so it is a plain submodule."""
+    engines: dict = {"discriminator": {"zero_optimization": {"stage": discriminator_stage}}}
+    if probe_stage is not None:
+        engines["probe"] = {"zero_optimization": {"stage": probe_stage}}
+    return {"stage": 0, "engines": engines}
+
+
+SHARED = {  # (probe's stage or None for plain, discriminator's stage)
+    f"shared_{'plain' if p is None else f'frozen{p}'}_trained{d}": (p, d)
+    for p, d in [(0, 2), (3, 3), (3, 2), (2, 0), (None, 3)]
+}
+
+
 SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
+    **{name: (WithProbe, sharing(p, d)) for name, (p, d) in SHARED.items()},
+    **{f"shared_plain_trained{d}": (lambda: WithProbe(trains_through_probe), sharing(None, d)) for d in (0, 2)},
     "no_optimizer": (lambda: GAN(optimizers="none"), {}),
     "spanning_optimizer": (lambda: GAN(optimizers="spanning"), {}),
     "unknown_engine_key": (lambda: GAN(returns_loss), {"engines": {"critic": {}}}),

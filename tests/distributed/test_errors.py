@@ -40,6 +40,14 @@ EXPECTED = {
     r"DeepSpeedCPUAdam\(self.generator.parameters\(\), ...\).*zero_force_ds_cpu_optimizer",
     "frozen_without_parameters": r"submodule 'head' has an `engine_configs` entry and no optimizer.*no parameters.*"
     r"Remove its entry",
+    **{
+        f"shared_frozen{p}_trained{d}": r"engines 'discriminator' and 'probe' share a parameter.*frozen one turns "
+        r"their gradients off.*If 'probe' only reuses the layer, remove its `engine_configs` entry"
+        for p, d in [(0, 2), (3, 3), (3, 2), (2, 0)]
+    },
+    "shared_plain_trained3": r"plain submodule 'probe' shares a parameter with the ZeRO-3 engine 'discriminator'.*"
+    r"copy that does not train. Give 'discriminator' ZeRO-0/1/2",
+    **{f"shared_plain_trained{d}": r"^no error$" for d in (0, 2)},
     "ema_of_another_shape": r"EMA engine 'discriminator' cannot average 'generator': their parameters differ.*deepcopy",
     "ema_that_is_trained": r"EMA engine 'generator' \(`ema=`\) has an optimizer.*stop returning an optimizer over",
     **{
