@@ -44,6 +44,7 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from torch import nn
 
 from lightning_multids import huggingface, internals, loading
+from lightning_multids.gathering import whole
 from lightning_multids.internals import stage0_weights
 
 FORMAT_KEY = "multids"
@@ -200,8 +201,7 @@ def save_weights(module: nn.Module, directory: Path, *, is_global_zero: bool) ->
     """
     state = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        partitioned = is_zero_param(value)
-        with deepspeed.zero.GatheredParameters([value] if partitioned else [], enabled=partitioned):
+        with whole([value]):
             if is_global_zero:
                 state[key] = value.detach().cpu().clone()
     if is_global_zero:
@@ -341,10 +341,9 @@ def _consolidated(path: Path, weights_only: bool | None) -> dict[str, dict[str, 
 
 def gathered_state_dict(module: nn.Module) -> dict[str, Any]:
     """``module.state_dict()`` with every ZeRO-3 partition gathered; a collective call (also after fit)."""
-    partitioned = [param for param in module.parameters() if is_zero_param(param)]
-    if not partitioned:
+    if not any(is_zero_param(param) for param in module.parameters()):
         return module.state_dict()
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+    with whole(module.parameters()):
         return {key: value.detach().clone() for key, value in module.state_dict().items()}
 
 

@@ -16,18 +16,17 @@ a weight by a thousandth of its distance to the source, below a bf16 weight's re
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import deepspeed
 import torch
 from deepspeed.runtime.zero.utils import is_zero_param
 from torch import nn
 
 from lightning_multids import internals
 from lightning_multids.config import merge
+from lightning_multids.gathering import whole
 
 EmaArgument = Mapping[str, "tuple[str, float] | list[Any]"]
 """``{average_name: (source_name, decay)}``, as ``MultiDeepSpeedStrategy(ema=...)`` takes it."""
@@ -245,7 +244,7 @@ def move_towards(average: nn.Module, source: nn.Module, weight: float) -> None:
         for (a, s), local in zip(pairs, by_partition, strict=True)
     ]
     gather = [s for (_, s), direct in zip(pairs, from_partition, strict=True) if is_zero_param(s) and not direct]
-    with _gathered(gather):  # the same list on every rank: ZeRO-3 gathers and releases alike on every rank
+    with whole(gather):  # the same list on every rank: ZeRO-3 gathers and releases alike on every rank
         for (a, s), local, direct in zip(pairs, by_partition, from_partition, strict=True):
             if local:
                 part, start = internals.partition(a)
@@ -258,8 +257,3 @@ def move_towards(average: nn.Module, source: nn.Module, weight: float) -> None:
                 part.copy_(a.data.view(-1)[start : start + part.numel()])
     for mine, theirs in zip(average.buffers(), source.buffers(), strict=True):
         mine.copy_(theirs)
-
-
-def _gathered(params: Iterable[nn.Parameter]) -> contextlib.AbstractContextManager:
-    params = list(params)
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params))

@@ -10,8 +10,8 @@ during the block.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableSet, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Mapping, MutableSet, Sequence
+from contextlib import AbstractContextManager, contextmanager
 
 import deepspeed
 import torch
@@ -63,3 +63,14 @@ def gathered(
         active.discard(name)
         if optimizer is not None:
             optimizer.inside = ""
+
+
+def whole(params: Iterable[nn.Parameter], modifier_rank: int | None = None) -> AbstractContextManager:
+    """``deepspeed.zero.GatheredParameters`` over those of ``params`` ZeRO-3 holds partitioned now; a collective call.
+
+    Inside :func:`gathered` a submodule's parameters are whole already, and DeepSpeed refuses to gather them again
+    ("Nested GatheredParameters contexts cannot overlap"); they are read as they are. So are the small ones ZeRO-3
+    keeps whole between forwards. Every rank is in the same blocks, so every rank gathers the same list.
+    """
+    partitioned = [param for param in params if is_zero_param(param) and not internals.is_gathered(param)]
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank, enabled=bool(partitioned))

@@ -1,7 +1,9 @@
 """Per-rank script: a GAN whose generator has an EMA engine, straight or saved after one epoch and resumed.
 
-Usage: run_ema.py OUT DECAY SPEC [SPEC ...], each SPEC ``SOURCE:AVERAGE[:resumed|:plain]``, a ZeRO stage each for
-the generator and its average (``plain``: resumed without ``ema=``, the average a plain submodule then); ``3p0`` is
+Usage: run_ema.py OUT DECAY SPEC [SPEC ...], each SPEC ``SOURCE:AVERAGE[:resumed|:plain|:inside]``, a ZeRO stage each
+for the generator and its average (``plain``: resumed without ``ema=``, the average a plain submodule then; ``inside``:
+resumed from a checkpoint saved inside ``gathered("generator_ema")``, beside the consolidated state dict read there
+and outside, as "inside" and "outside"); ``3p0`` is
 stage 3 with ``stage3_param_persistence_threshold: 0`` (no parameter stays gathered between forwards, so the average
 updates partitions only). Writes OUT on rank 0: {spec: {"weights": consolidated state dict after fit, "start": the
 average's weights when training starts}}.
@@ -9,6 +11,7 @@ average's weights when training starts}}.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -77,13 +80,31 @@ class AtTrainStart(pl.Callback):
         self.value = {k: v.clone() for k, v in state.items() if k.startswith("generator_ema.")}
 
 
+class SavesInsideGathered(pl.Callback):
+    """At the end of the first epoch: ``save_checkpoint`` and ``consolidated_state_dict`` inside ``gathered``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.inside: dict[str, torch.Tensor] = {}
+        self.outside: dict[str, torch.Tensor] = {}
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        with strategy.gathered("generator_ema"):  # type: ignore[attr-defined]
+            trainer.save_checkpoint(self.path)
+            self.inside = strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+        self.outside = strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+
+
 def zero(stage: str) -> dict[str, Any]:
     if stage == "3p0":
         return {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     return {"zero_optimization": {"stage": int(stage)}}
 
 
-def fit(spec: str, decay: float, epochs: int, root: Path, ckpt_path: str | None = None) -> dict[str, Any]:
+def fit(
+    spec: str, decay: float, epochs: int, root: Path, ckpt_path: str | None = None, *callbacks: pl.Callback
+) -> dict[str, Any]:
     source, average = spec.split(":")[:2]
     plain = spec.endswith(":plain") and ckpt_path is not None
     configs = {"generator": zero(source), "discriminator": zero("2"), "generator_ema": zero(average)}
@@ -96,7 +117,7 @@ def fit(spec: str, decay: float, epochs: int, root: Path, ckpt_path: str | None 
         strategy,
         max_epochs=epochs,
         use_distributed_sampler=False,
-        callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1), start],
+        callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1), start, *callbacks],
         default_root_dir=root,
     )
     trainer.fit(EmaGan(), ckpt_path=ckpt_path)
@@ -109,7 +130,12 @@ def main() -> None:
     results = {}
     for spec in specs:
         root = Path(out).parent / spec.replace(":", "-")
-        if spec.endswith((":resumed", ":plain")):
+        if spec.endswith(":inside"):
+            inside = SavesInsideGathered(root / "first" / "inside.ckpt")
+            fit(spec, float(decay), 1, root / "first", None, inside)
+            results[spec] = fit(spec, float(decay), 2, root / "second", str(inside.path))
+            results[spec].update(inside=inside.inside, outside=inside.outside, files=sorted(os.listdir(root / "first")))
+        elif spec.endswith((":resumed", ":plain")):
             fit(spec, float(decay), 1, root / "first")
             results[spec] = fit(spec, float(decay), 2, root / "second", ckpt_path=str(root / "first" / "last.ckpt"))
         else:

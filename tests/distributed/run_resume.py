@@ -1,16 +1,18 @@
 """Per-rank script: train 2 epochs straight, or 1 epoch + save + resume for 1 more; save weights and optimizer state.
 
 Usage: run_resume.py OUT CASE STAGE [STAGE ...] [--after-fit] [--bf16] [--ema] [--weights-only] [--resume-stage=S]
-[--no-straight], with CASE ``gan`` (two engines, Adam) or ``distill`` (frozen ZeRO-3 teacher, saved with
-``save_frozen=True``, Adam student). The first epoch is saved by ``ModelCheckpoint(save_last=True)``, or with
-``--after-fit`` by ``trainer.save_checkpoint`` after ``fit`` returns. ``--bf16`` trains in ``bf16-mixed``; ``--ema``
-adds ``student_ema``, an EMA engine of the student (distill only); ``--weights-only`` resumes with
-``weights_only=True``; ``--resume-stage=S`` resumes at ZeRO-S; ``--no-straight`` skips the straight run. Writes
+[--no-straight] [--inside-gathered], with CASE ``gan`` (two engines, Adam) or ``distill`` (frozen ZeRO-3 teacher,
+saved with ``save_frozen=True``, Adam student). The first epoch is saved by ``ModelCheckpoint(save_last=True)``, or
+with ``--after-fit`` by ``trainer.save_checkpoint`` after ``fit`` returns (with ``--inside-gathered``, at
+``on_train_end`` inside ``gathered`` of every engine). ``--bf16`` trains in ``bf16-mixed``; ``--ema`` adds
+``student_ema``, an EMA engine of the student (distill only); ``--weights-only`` resumes with ``weights_only=True``;
+``--resume-stage=S`` resumes at ZeRO-S; ``--no-straight`` skips the straight run. Writes
 OUT.RANK: {stage: {"straight": ..., "resumed": ...}}.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import warnings
@@ -79,6 +81,19 @@ def optimizer_state(engine: object) -> list[torch.Tensor]:
     return state
 
 
+class SavesInsideGathered(pl.Callback):
+    """At the end of training, ``trainer.save_checkpoint`` inside ``gathered`` of every engine."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with contextlib.ExitStack() as blocks:
+            for name in trainer.strategy.engines:  # type: ignore[attr-defined]
+                blocks.enter_context(trainer.strategy.gathered(name))  # type: ignore[attr-defined]
+            trainer.save_checkpoint(self.path)
+
+
 def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = None, save_after: bool = False) -> dict:
     flags = dict(precision="bf16-mixed") if "--bf16" in sys.argv else {}
     module = Resumable(case)
@@ -94,8 +109,10 @@ def fit(case: str, stage: int, epochs: int, root: Path, ckpt_path: str | None = 
         default_root_dir=root,
         **flags,
     )
+    if save_after and "--inside-gathered" in sys.argv:
+        trainer.callbacks.append(SavesInsideGathered(root / "after-fit.ckpt"))
     trainer.fit(module, ckpt_path=ckpt_path, weights_only=True if "--weights-only" in sys.argv else None)
-    if save_after:
+    if save_after and "--inside-gathered" not in sys.argv:
         trainer.save_checkpoint(root / "after-fit.ckpt")
     return {
         "weights": strategy.consolidated_state_dict(),

@@ -28,15 +28,21 @@ def test_resume_at_an_epoch_boundary_is_bitwise_exact(tmp_path: Path, case: str)
 
 @pytest.mark.parametrize(
     ("case", "stages", "flags"),
-    [("gan", "0123", []), ("gan", "0123", ["--bf16"]), ("distill", "2", [])],
-    ids=["gan", "gan-bf16", "distill"],
+    [
+        ("gan", "0123", []),
+        ("gan", "0123", ["--bf16"]),
+        ("distill", "2", []),
+        ("distill", "23", ["--ema", "--inside-gathered"]),
+    ],
+    ids=["gan", "gan-bf16", "distill", "distill-inside-gathered"],
 )
 def test_save_checkpoint_after_fit_resumes_bitwise_exactly(
     tmp_path: Path, case: str, stages: str, flags: list[str]
 ) -> None:
     """Lightning's documented ``trainer.fit(model); trainer.save_checkpoint(path)``, resumed with ``ckpt_path``.
 
-    In bf16 the stopped engines' whole submodules are back in fp32 when it saves (as after teardown).
+    In bf16 the stopped engines' whole submodules are back in fp32 when it saves (as after teardown). Inside
+    ``gathered`` of the ZeRO-3 teacher, student and EMA, the save writes what it writes outside.
     """
     out = tmp_path / "resume.pt"
     run_ranks(RESUME, str(out), case, *stages, "--after-fit", *flags, timeout=600)

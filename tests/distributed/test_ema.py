@@ -17,6 +17,7 @@ DECAY = 0.7  # far from 1, so that an average that skipped, repeated or mis-weig
 STEPS = 2 * run_ema.BATCHES  # 2 epochs
 TOLERANCE = 1e-6
 SPECS = ["0:0", "2:0", "3p0:0", "2:3", "2:3p0", "3:3p0", "3p0:3p0", "2:3:resumed", "2:3p0:resumed", "3p0:3p0:resumed"]
+SPECS += ["2:3:inside", "3p0:3p0:inside"]  # resumed from a save inside `gathered("generator_ema")`
 PLAIN = ["2:3:plain", "3:0:plain"]  # resumed without `ema=`: the average is a plain submodule in the second run
 
 
@@ -71,7 +72,18 @@ def test_a_resume_without_ema_loads_the_saved_average_into_the_plain_submodule(r
             assert diff <= TOLERANCE, f"{spec} {key}: max abs difference {diff:.2e} from the saved average"
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if not s.endswith("resumed")])
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.endswith(":inside")])
+def test_saving_inside_gathered_writes_the_same_checkpoint_and_state(results: dict, spec: str) -> None:
+    """Inside ``gathered`` of a ZeRO-3 average, ``save_checkpoint`` completes (no ``.partial`` left; the resume from
+    it matches plain PyTorch above) and ``consolidated_state_dict`` equals the one read outside the block."""
+    assert "inside.ckpt" in results[spec]["files"] and not any(f.endswith(".partial") for f in results[spec]["files"])
+    inside, outside = results[spec]["inside"], results[spec]["outside"]
+    assert inside.keys() == outside.keys()
+    for key, value in outside.items():
+        assert torch.equal(inside[key], value), key
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if not s.endswith(("resumed", "inside"))])
 def test_average_starts_as_a_copy_of_its_source(results: dict, spec: str) -> None:
     """As ``AveragedModel``'s deep copy: the average's own initial weights (another seed) are replaced at setup."""
     generator = reference(steps=0)
