@@ -10,8 +10,10 @@ during the block.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, MutableSet, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSet, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
 
 import deepspeed
 import torch
@@ -23,16 +25,61 @@ from lightning_multids import internals
 from lightning_multids.optimizer import EngineOptimizer
 
 
+class Arrival:
+    """Every rank checks in before a block's collectives, within a bounded time, in a gloo group of its own.
+
+    A block entered on some ranks only (e.g. under ``if self.global_rank == 0``) would otherwise wait in its first
+    all-gather until the process group's timeout (30 minutes by default), or meet another collective of the ranks
+    that went on and exchange the wrong tensors. The check-in is an all-gather of the block's name (a checksum) in
+    a gloo group whose timeout is ``timeout``: it never meets the blocks' own collectives, whatever the backend, and
+    it fails on every rank that waits. (``torch.distributed.monitored_barrier`` bounds the wait on rank 0 only.)
+    Creating the group is a collective: every rank does it at the same point of setup.
+    """
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+        self.group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+
+    def __call__(self, block: str) -> None:
+        """Wait until every rank is at ``block``; raise a RuntimeError after ``timeout``, or if a rank is elsewhere."""
+        mine = torch.tensor([zlib.crc32(block.encode())], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size(self.group))]
+        try:
+            torch.distributed.all_gather(everyone, mine, group=self.group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"`{block}` waited {self.timeout} for every rank to enter it ({error}). It gathers the ZeRO-3 "
+                "engine's partitions from every rank, so every rank must enter it, at the same point: don't put it "
+                "under a condition that differs between ranks (such as `if self.global_rank == 0`). If some ranks "
+                "only arrive later, raise `MultiDeepSpeedStrategy(gathered_timeout=...)`."
+            ) from error
+        elsewhere = [rank for rank, code in enumerate(everyone) if not torch.equal(code, mine)]
+        if elsewhere:
+            raise RuntimeError(
+                f"`{block}`: rank(s) {elsewhere} entered another block at the same time. Every rank must enter the "
+                "same `gathered` blocks in the same order."
+            )
+
+    def close(self) -> None:
+        """Destroy the group (no collective)."""
+        torch.distributed.destroy_process_group(self.group)
+
+
 @contextmanager
 def gathered(
-    name: str, engines: Mapping[str, DeepSpeedEngine], active: MutableSet[str], optimizers: Sequence[EngineOptimizer]
+    name: str,
+    engines: Mapping[str, DeepSpeedEngine],
+    active: MutableSet[str],
+    optimizers: Sequence[EngineOptimizer],
+    arrive: Callable[[str], None] | None = None,
 ) -> Iterator[nn.Module]:
     """Make engine ``name``'s submodule whole on this rank for the block, under ``torch.no_grad()``; yield it.
 
     A collective call: every rank enters the block (the gathering and the partitioning are all-gathers). At
     ZeRO-0/1/2 the submodule is whole already and only ``no_grad`` applies. ``active`` holds the names of
     the engines inside such a block (nesting one is refused); a trained engine's optimizer (in ``optimizers``)
-    refuses to step inside it.
+    refuses to step inside it. ``arrive(block)``, where given, returns once every rank is at the block (an
+    :class:`Arrival`), and is called before the gathering.
 
     Raises:
         ValueError: there is no engine ``name``, or it is already inside a block.
@@ -48,6 +95,8 @@ def gathered(
         raise ValueError(f"`gathered({name!r})`: the engine is inside `{block}` already; don't nest them.")
     engine = engines[name]
     params = [param for param in engine.module.parameters() if is_zero_param(param)]
+    if params and arrive is not None:
+        arrive(f"strategy.gathered({name!r})")
     active.add(name)
     if optimizer is not None:
         optimizer.inside = f"strategy.gathered({name!r})"

@@ -37,7 +37,7 @@ from lightning_multids.discovery import check_engine_names
 from lightning_multids.ema import EmaArgument, average_entries, check_average_names, parse_averages
 from lightning_multids.engines import EngineSet
 from lightning_multids.environment import hide_zero_deprecations
-from lightning_multids.gathering import gathered
+from lightning_multids.gathering import Arrival, gathered
 from lightning_multids.lifecycle import (
     agree_on_failure,
     build_engines,
@@ -85,6 +85,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             stage (its ``engine_configs`` entry), starts as a copy of its source and follows each of its steps as
             ``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn(decay)`` would. Saved with every
             checkpoint and resumed (see :mod:`lightning_multids.ema`).
+        gathered_timeout: how long :meth:`gathered` of a ZeRO-3 engine waits for every rank to enter it before it
+            raises, instead of waiting in its all-gather for the ``timeout`` of every collective; ``None`` turns
+            the check off (and its gloo group, one barrier per block).
         engines: deprecated name of ``engine_configs``.
     """
 
@@ -105,6 +108,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         start_method: str = "popen",
         save_frozen: bool = False,
         ema: EmaArgument | None = None,
+        gathered_timeout: timedelta | None = timedelta(minutes=5),
         engines: dict[str, dict[str, Any] | str] | None = None,
     ) -> None:
         _refuse_checkpoint_io(checkpoint_io)
@@ -130,6 +134,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             name: load_config(source, what=f"the engine {name!r}") for name, source in per_engine.items()
         }
         self.save_frozen = save_frozen
+        self.gathered_timeout = gathered_timeout
+        self._arrival: Arrival | None = None
         self.averages = parse_averages(ema)
         self._entries = average_entries(self.averages, self.engine_configs)
         self._engine_set = EngineSet()
@@ -213,6 +219,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ds_accelerator.follow(self.root_device.type)
         super().setup_distributed()
         deepspeed.init_distributed(dist_backend=self._process_group_backend, auto_mpi_discovery=False, verbose=False)
+        if self._arrival is not None:  # a setup whose teardown did not run: every rank makes a new one alike
+            self._arrival.close()
+            self._arrival = None
+        if self.world_size > 1 and self.gathered_timeout is not None:
+            self._arrival = Arrival(self.gathered_timeout)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -364,7 +375,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             with torch.no_grad():
                 yield plain
             return
-        with gathered(name, engines.engines, engines.gathering, engines.optimizers) as module:
+        with gathered(name, engines.engines, engines.gathering, engines.optimizers, self._arrival) as module:
             yield module
 
     def _whole_outside_fit(self, name: str) -> torch.nn.Module | None:
@@ -596,6 +607,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ``fit`` as under DDP, until :meth:`release` or the next setup.
         """
         release_engines(self._engine_set)
+        if self._arrival is not None:
+            self._arrival.close()
+            self._arrival = None
         self._loading = None  # a checkpoint read for a setup that did not finish
         module = self.lightning_module
         fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING

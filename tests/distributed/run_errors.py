@@ -42,6 +42,12 @@ class GAN(pl.LightningModule):
         return torch.utils.data.DataLoader(patterns.make_batches(2), batch_size=4)
 
 
+def gathers_by_rank(module: GAN, batch: torch.Tensor) -> None:
+    """Rank 0 gathers the generator while rank 1 gathers the discriminator."""
+    with module.trainer.strategy.gathered(("generator", "discriminator")[module.global_rank]):
+        pass
+
+
 def returns_loss(module: GAN, batch: torch.Tensor) -> torch.Tensor:
     real, z = patterns.split(batch)
     return module.discriminator(module.generator(z)).mean()
@@ -269,6 +275,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         lambda: GAN(returns_loss, "generator"),
         {"engines": {"generator": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}}},
     ),
+    "gathered_differs_by_rank": (lambda: GAN(gathers_by_rank), {"stage": 3}),
     "frozen_without_parameters": (WithHead, {"engines": {"head": {"zero_optimization": {"stage": 3}}}}),
     "ema_of_another_shape": (lambda: GAN(returns_loss, "generator"), {"ema": {"discriminator": ("generator", 0.9)}}),
     "ema_that_is_trained": (lambda: GAN(returns_loss, "generator"), {"ema": {"generator": ("discriminator", 0.9)}}),

@@ -1,4 +1,5 @@
-"""Per-rank script: rank 1 raises, in training_step (MODE ``step``) or during setup (MODE ``setup``).
+"""Per-rank script: rank 1 raises, in training_step (MODE ``step``) or during setup (MODE ``setup``); or, at ZeRO-3,
+only rank R enters ``strategy.gathered`` in training_step (MODE ``gatheredR``).
 
 Usage: run_failure.py MODE
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import torch
@@ -27,6 +29,9 @@ class Failing(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         if self.mode == "step" and batch_idx == 1 and self.global_rank == 1:
             raise RuntimeError("rank 1 failed on purpose in training_step")
+        if self.mode == f"gathered{self.global_rank}" and batch_idx == 1:
+            with self.trainer.strategy.gathered("discriminator") as discriminator:  # type: ignore[attr-defined]
+                discriminator(torch.zeros(1, 6))
         opt_g, opt_d = self.optimizers()
         patterns.gan_zero_first(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
 
@@ -40,4 +45,9 @@ class Failing(pl.LightningModule):
 
 
 if __name__ == "__main__":
-    cpu_trainer(MultiDeepSpeedStrategy(stage=2), enable_checkpointing=False).fit(Failing(sys.argv[1]))
+    mode = sys.argv[1]
+    if mode.startswith("gathered"):
+        strategy = MultiDeepSpeedStrategy(stage=3, gathered_timeout=timedelta(seconds=10))
+    else:
+        strategy = MultiDeepSpeedStrategy(stage=2)
+    cpu_trainer(strategy, enable_checkpointing=False).fit(Failing(mode))

@@ -104,6 +104,7 @@ def leftovers(module: Lifecycle) -> dict[str, Any]:
         "patched": sorted(n for n, m in module.named_children() if "train" in m.__dict__),
         "live_engines": sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()),
         "warning_filters": zero_deprecation_filters(),
+        "gathered_check_group": module._trainer is not None and module.trainer.strategy._arrival is not None,
     }
 
 

@@ -38,6 +38,8 @@ EXPECTED = {
     "zero_grad_before_step": r"engine 'generator' was called with no gradient since its last step or `zero_grad\(\)`",
     "offload_with_torch_optimizer": r"engine 'generator' offloads its optimizer states .*`torch.optim.sgd.SGD`.*"
     r"DeepSpeedCPUAdam\(self.generator.parameters\(\), ...\).*zero_force_ds_cpu_optimizer",
+    "gathered_differs_by_rank": r"`strategy.gathered\('(generator|discriminator)'\)`: rank\(s\) \[[01]\] "
+    r"entered another block at the same time. Every rank must enter the same `gathered` blocks in the same order.",
     "frozen_without_parameters": r"submodule 'head' has an `engine_configs` entry and no optimizer.*no parameters.*"
     r"Remove its entry",
     **{

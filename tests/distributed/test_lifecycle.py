@@ -24,6 +24,7 @@ NOTHING_LEFT = {
     "patched": [],
     "live_engines": 0,
     "warning_filters": 0,
+    "gathered_check_group": False,  # destroyed at teardown
 }
 
 

@@ -18,7 +18,21 @@ from tests.distributed.harness import REPO, free_port, run_ranks
 RUNNER = Path(__file__).with_name("run_failure.py")
 
 
-@pytest.mark.parametrize("mode", ["step", "setup"])
+FAILURES = {  # mode: (the rank that fails, what it says)
+    "step": (1, "[rank 1] MultiDeepSpeedStrategy: RuntimeError: rank 1 failed on purpose"),
+    "setup": (1, "[rank 1] MultiDeepSpeedStrategy: RuntimeError: rank 1 failed on purpose"),
+    **{  # a ZeRO-3 `gathered` block entered by one rank only
+        f"gathered{rank}": (
+            rank,
+            f"[rank {rank}] MultiDeepSpeedStrategy: RuntimeError: `strategy.gathered('discriminator')` waited 0:00:10 "
+            "for every rank to enter it",
+        )
+        for rank in (0, 1)
+    },
+}
+
+
+@pytest.mark.parametrize("mode", sorted(FAILURES))
 def test_a_failing_rank_stops_every_rank_within_60_seconds(tmp_path: Path, mode: str) -> None:
     """The clock starts when the first process exits (start-up may include DeepSpeed's one-time op build)."""
     port, procs, logs = str(free_port()), [], [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
@@ -39,7 +53,8 @@ def test_a_failing_rank_stops_every_rank_within_60_seconds(tmp_path: Path, mode:
             proc.kill()
     outputs = [log.read_text() for log in logs]
     assert all(proc.returncode != 0 for proc in procs), [proc.returncode for proc in procs]
-    assert "[rank 1] MultiDeepSpeedStrategy: RuntimeError: rank 1 failed on purpose" in outputs[1]
+    rank, message = FAILURES[mode]
+    assert message in outputs[rank], outputs[rank][-3000:]
 
 
 def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
