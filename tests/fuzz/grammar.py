@@ -1,8 +1,9 @@
 """The fuzzer's grammar: a case is what a user writes around ``MultiDeepSpeedStrategy``, drawn from a seed.
 
-A :class:`Case` holds 1-4 small MLP submodules (each an engine: trained with its own optimizer, or frozen),
-their ZeRO stages and DeepSpeed options, an optional EMA engine, the precision, the hooks that read gradients,
-and a ``training_step`` written as a list of :class:`Phase` s. A phase backpropagates a loss (a sum of
+A :class:`Case` holds 1-4 small MLP submodules (each an engine: trained with its own optimizer, or frozen; one
+may reuse another's first layer), their ZeRO stages and DeepSpeed options, an optional EMA engine, the
+precision, the hooks that read gradients, a ``training_step`` written as a list of :class:`Phase` s, and an
+optional :class:`Resume`: save, then resume in a new fit whose strategy differs. A phase backpropagates a loss (a sum of
 :class:`Term` s, each a chain of submodule calls) once per micro-batch, then steps some optimizers.
 Every dimension is a field with a plain default, so a case can be drawn (:func:`generate`), written as JSON
 (:func:`to_json`, :func:`from_json`) and simplified one field at a time (:func:`simplifications`).
@@ -43,6 +44,8 @@ class Engine:
     """``data_types.grad_accum_dtype: fp32`` (bf16 at ZeRO-1: DeepSpeed's ``BF16_Optimizer``)."""
     inner_checkpoint: str | None = None
     """Its last two layers under ``torch.utils.checkpoint`` (``"reentrant"`` or ``"non_reentrant"``)."""
+    shares: str | None = None
+    """An earlier engine whose first layer this one reuses (the same ``nn.Linear``): refused at setup."""
 
     @property
     def trained(self) -> bool:
@@ -118,6 +121,23 @@ class Ema:
 
 
 @dataclass
+class Resume:
+    """Save after ``at`` training steps (``trainer.save_checkpoint`` when that fit ends), then resume from it in a new
+    fit whose strategy differs as the other fields say. Each step is an epoch of one batch, so the resume starts at
+    an epoch's beginning."""
+
+    at: int = 1
+    stages: dict[str, int] = field(default_factory=dict)
+    """Engines at another ZeRO stage in the resumed fit (a trained one: refused, except ZeRO-1 <-> ZeRO-2)."""
+    inside: str | None = None
+    """Save inside ``strategy.gathered(inside)`` (at ``on_train_end``)."""
+    drop_ema: bool = False
+    """Resume without ``ema=``: the average is a plain submodule holding what was saved, and stops following."""
+    drop_frozen: list[str] = field(default_factory=list)
+    """Frozen engines resumed without their ``engine_configs`` entry: plain submodules then."""
+
+
+@dataclass
 class Case:
     """Everything one fuzz case trains: 2 ranks, ``steps`` batches of ``GLOBAL_BATCH`` samples."""
 
@@ -131,6 +151,7 @@ class Case:
     read_before_step: bool = False
     """``on_before_optimizer_step`` reads the ``full_gradients`` of the engine it steps."""
     steps: int = 2
+    resume: Resume | None = None
 
     def engine(self, name: str) -> Engine:
         return next(engine for engine in self.engines if engine.name == name)
@@ -172,9 +193,13 @@ class Switches:
     read_after_backward: bool = True
     read_before_step: bool = True
     ema: bool = True
+    shared_params: bool = True
+    resume: bool = True
 
 
 FULL = Switches()
+BEFORE_RESUME = Switches(shared_params=False, resume=False)
+"""The grammar before shared layers and resumes were added: the seeds chosen then draw the same cases in it."""
 SAFE = Switches(
     offload=False,  # known defect 2: ZeRO-2 + offload_optimizer keeps gradients that zero_grad() should drop
     fp32_grad_accum=False,  # known defect 3: full_gradients under BF16_Optimizer sees the last micro-backward only
@@ -182,8 +207,12 @@ SAFE = Switches(
     gates=("first_step",),  # known defect 4: a loss that reaches an engine on some ranks only
     plain_backward=False,  # known defect 5: loss.backward() beside manual_backward
     call_checkpoints=("non_reentrant",),  # known defect 6: an engine called plainly and in a reentrant checkpoint
+    shared_params=False,  # drawn after the six defects' seeds were chosen: left out so those seeds draw alike
+    resume=False,
 )
 """The dimensions of :data:`FULL` without those of the six defects known on 2026-11-24."""
+SAFE_RESUMING = dataclasses.replace(SAFE, shared_params=True, resume=True)
+""":data:`SAFE` with shared layers and resumes (stages changed, saves inside ``gathered``, engines dropped)."""
 
 
 def chance(rng: random.Random, p: float, allowed: bool = True) -> bool:
@@ -272,7 +301,32 @@ def draw_case(seed: int, rng: random.Random, switches: Switches) -> Case:
     if chance(rng, 0.2, switches.read_after_backward):
         case.read_after_backward = sorted(rng.sample(case.trained, rng.randint(1, len(case.trained))))
     case.read_before_step = chance(rng, 0.25, switches.read_before_step)
+    draw_sharing(rng, case, switches)
+    case.resume = draw_resume(rng, case, switches)
     return case
+
+
+def draw_sharing(rng: random.Random, case: Case, switches: Switches) -> None:
+    """Maybe one engine reuses an earlier one's first layer (neither with an inner checkpoint)."""
+    plain = [engine for engine in case.engines if engine.inner_checkpoint is None]
+    if len(plain) >= 2 and chance(rng, 0.1, switches.shared_params):
+        first, second = sorted(rng.sample(range(len(plain)), 2))
+        plain[second].shares = plain[first].name
+
+
+def draw_resume(rng: random.Random, case: Case, switches: Switches) -> Resume | None:
+    """Maybe save after some steps and resume with stages changed, inside a block, or engines dropped."""
+    if case.steps < 2 or not chance(rng, 0.25, switches.resume):
+        return None
+    resume = Resume(at=rng.randint(1, case.steps - 1))
+    for engine in case.engines:
+        if not engine.offload and not engine.fp32_grad_accum and chance(rng, 0.2):
+            resume.stages[engine.name] = rng.choice([s for s in switches.stages if s != engine.stage] or [0])
+    if chance(rng, 0.3):
+        resume.inside = rng.choice(case.module_names)
+    resume.drop_ema = case.ema is not None and chance(rng, 0.3)
+    resume.drop_frozen = [engine.name for engine in case.engines if not engine.trained and chance(rng, 0.3)]
+    return resume
 
 
 def generate(seed: int, switches: Switches = FULL, valid: Callable[[Case], Case | None] | None = None) -> Case:
@@ -307,7 +361,8 @@ def from_dict(data: dict[str, Any]) -> Case:
     ]
     ema = Ema(**data["ema"]) if data.get("ema") else None
     engines = [Engine(**e) for e in data["engines"]]
-    return Case(**{**data, "engines": engines, "phases": phases, "ema": ema})
+    resume = Resume(**data["resume"]) if data.get("resume") else None
+    return Case(**{**data, "engines": engines, "phases": phases, "ema": ema, "resume": resume})
 
 
 def from_json(text: str) -> Case:
@@ -379,9 +434,14 @@ class DropEngine:
         used = {call.engine for phase in case.phases for term in phase.terms for call in term.calls}
         used |= {phase.owner for phase in case.phases} | set(case.read_after_backward)
         used |= {case.ema.source} if case.ema else set()
+        used |= {engine.shares for engine in case.engines if engine.shares}
+        used |= {case.resume.inside} if case.resume and case.resume.inside else set()
         if self.name in used or len(case.engines) == 1:
             return False
         case.engines = [engine for engine in case.engines if engine.name != self.name]
+        if case.resume is not None:
+            case.resume.stages.pop(self.name, None)
+            case.resume.drop_frozen = [name for name in case.resume.drop_frozen if name != self.name]
         return True
 
     def __str__(self) -> str:
@@ -394,7 +454,8 @@ PHASE_DEFAULTS = {"micro": 1, "toggle": False, "no_sync": "off", "shared": False
 PHASE_DEFAULTS |= {"zero_grad": "after", "step": "owner"}
 TERM_DEFAULTS = {"penalty": False, "gate": "always", "scale": "const", "weight": 1.0, "target": "zero", "source": "x"}
 CALL_DEFAULTS = {"detach": False, "no_grad": False, "checkpoint": None}
-ENGINE_DEFAULTS = {"offload": False, "fp32_grad_accum": False, "inner_checkpoint": None, "hidden": 4}
+ENGINE_DEFAULTS = {"offload": False, "fp32_grad_accum": False, "inner_checkpoint": None, "shares": None, "hidden": 4}
+RESUME_DEFAULTS = {"stages": {}, "inside": None, "drop_ema": False, "drop_frozen": []}
 
 
 def simplifications(case: Case) -> Iterator[tuple[str, Case]]:
@@ -407,6 +468,7 @@ def simplifications(case: Case) -> Iterator[tuple[str, Case]]:
 
 def edits(case: Case) -> Iterator[Edit]:
     yield from _removals(case)
+    yield SetField((), "resume", None)
     yield SetField((), "steps", 1)
     yield SetField((), "ema", None)
     yield SetField((), "precision", "32-true")
@@ -415,6 +477,8 @@ def edits(case: Case) -> Iterator[Edit]:
     if len(case.read_after_backward) > 1:
         yield SetField((), "read_after_backward", case.read_after_backward[:1])
     yield SetField(("ema",), "stage", 0)
+    if case.resume is not None:
+        yield from _defaults(("resume",), RESUME_DEFAULTS)
     for i, phase in enumerate(case.phases):
         yield from _defaults(("phases", i), PHASE_DEFAULTS)
         if phase.micro == 3:

@@ -53,14 +53,20 @@ def make_module(case: Case, name: str) -> nn.Module:
     index = [engine.name for engine in case.engines].index(name)
     engine = case.engines[index]
     torch.manual_seed(case.seed * 16 + index)
-    layers = (nn.Linear(FEATURES, engine.hidden), nn.Tanh(), nn.Linear(engine.hidden, FEATURES))
+    hidden = case.engine(engine.shares).hidden if engine.shares else engine.hidden  # its first layer is replaced
+    layers = (nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, FEATURES))
     if engine.inner_checkpoint is None:
         return nn.Sequential(*layers)
     return CheckpointedMLP(*layers, use_reentrant=engine.inner_checkpoint == "reentrant")
 
 
 def make_modules(case: Case) -> dict[str, nn.Module]:
-    return {name: make_module(case, name) for name in case.module_names}
+    """Every submodule; one that ``shares`` gets the other's first layer, the same ``nn.Linear`` object."""
+    modules = {name: make_module(case, name) for name in case.module_names}
+    for engine in case.engines:
+        if engine.shares:
+            modules[engine.name][0] = modules[engine.shares][0]
+    return modules
 
 
 def make_data(case: Case) -> torch.Tensor:

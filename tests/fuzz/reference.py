@@ -6,7 +6,8 @@ conventions the strategy documents are followed: ``opt.step()`` updates every pa
 without a gradient as if it were zero (README Limitations: Adam's momentum moves it), and clears the
 gradients it applied (as DeepSpeed does); an EMA average follows ``AveragedModel`` with
 ``get_ema_multi_avg_fn`` after each step of its source; ``full_gradients`` of an engine holds its trainable
-parameters' averaged gradients (zeros where none arrived).
+parameters' averaged gradients (zeros where none arrived). A resume (``Case.resume``) starts with no gradients
+(a checkpoint holds none, as under DDP); resumed without ``ema=``, the average stops following its source.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class ReferenceBackend:
             for name in case.trained
         }
         self.averaged = 0
+        self.following = True
+        """Whether the EMA average follows its source (not after a resume without ``ema=``)."""
         self.shards: list[torch.Tensor] = []
         self.reads: list[Read] = []
         self.rank = 0
@@ -87,6 +90,7 @@ class ReferenceBackend:
             p.register_hook(lambda grad, name=name: self._arrived(name))
             for name in case.trained
             for p in modules[name].parameters()
+            if p.requires_grad  # a layer shared with a frozen engine is frozen (the strategy refuses the case)
         ]
 
     def _arrived(self, name: str) -> None:
@@ -123,7 +127,7 @@ class ReferenceBackend:
         self.optimizers[name].step()
         self.zero_grad(name)  # the strategy's opt.step() clears the gradients it applied, as DeepSpeed's step does
         ema = self.case.ema
-        if ema is not None and ema.source == name:
+        if ema is not None and ema.source == name and self.following:
             move_towards(self.modules[ema.average], self.modules[name], 1.0 if not self.averaged else 1 - ema.decay)
             self.averaged += 1
 
@@ -164,6 +168,10 @@ def train(case: Case) -> tuple[Result, ReferenceBackend]:
     backend = ReferenceBackend(case, modules)
     data = program.make_data(case)
     for step in range(case.steps):
+        if case.resume is not None and step == case.resume.at:
+            for name in case.trained:
+                backend.zero_grad(name)
+            backend.following = not case.resume.drop_ema
         batch = program.global_batch(data, step)
         backend.shards = [program.shard(batch, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
         try:
@@ -179,11 +187,45 @@ def reference(case: Case) -> Result:
 
 def supported(case: Case) -> bool:
     """DeepSpeed's ``BF16_Optimizer`` (fp32 gradient accumulation under bf16) exists at ZeRO-1 only, without
-    offloading; elsewhere DeepSpeed refuses the mix (``NotImplementedError: unsupported mix``)."""
-    return all(
+    offloading; elsewhere DeepSpeed refuses the mix (``NotImplementedError: unsupported mix``). A resume needs a
+    step on each side of the save, and names what the case has."""
+    if not all(
         not e.fp32_grad_accum or (case.precision == "bf16-mixed" and e.stage == 1 and not e.offload)
         for e in case.engines
+    ):
+        return False
+    names = [engine.name for engine in case.engines]
+    if any(e.shares is not None and e.shares not in names[: names.index(e.name)] for e in case.engines):
+        return False
+    resume = case.resume
+    if resume is None:
+        return True
+    frozen = {engine.name for engine in case.engines if not engine.trained}
+    changed = [case.engine(name) for name in resume.stages if name in names]
+    return (
+        0 < resume.at < case.steps
+        and set(resume.stages) <= set(names)
+        and not any(engine.offload or engine.fp32_grad_accum for engine in changed)
+        and (resume.inside is None or resume.inside in case.module_names)
+        and set(resume.drop_frozen) <= frozen
+        and (case.ema is not None or not resume.drop_ema)
     )
+
+
+def refusal(case: Case) -> str | None:
+    """What the strategy must refuse in ``case``, as a pattern of its message; None where it must train.
+
+    Two engines sharing a layer, at setup; a resume that changes a trained engine's ZeRO stage other than between
+    1 and 2 (DeepSpeed cannot load the optimizer state), at load.
+    """
+    if any(engine.shares for engine in case.engines):  # two optimizers holding it are refused first
+        return "share a parameter|is in optimizer [0-9] and optimizer [0-9]"
+    if case.resume is not None:
+        for name, stage in case.resume.stages.items():
+            engine = case.engine(name)
+            if engine.trained and stage != engine.stage and {stage, engine.stage} != {1, 2}:
+                return "DeepSpeed cannot load its optimizer state into another stage"
+    return None
 
 
 def resolve(case: Case) -> Case | None:

@@ -10,6 +10,7 @@ CASES_JSON holds a JSON list of cases (``grammar.to_dict``). For case ``i`` each
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -64,9 +65,11 @@ class StrategyBackend:
 
 
 class FuzzModule(pl.LightningModule):
-    def __init__(self, case: Case) -> None:
+    """A case's module; ``per_epoch``: each epoch is one batch, the training step's index is the epoch's."""
+
+    def __init__(self, case: Case, per_epoch: bool = False) -> None:
         super().__init__()
-        self.case = case
+        self.case, self.per_epoch = case, per_epoch
         self.automatic_optimization = False
         for name, module in program.make_modules(case).items():
             setattr(self, name, module)
@@ -76,7 +79,8 @@ class FuzzModule(pl.LightningModule):
         return {name: getattr(self, name) for name in self.case.module_names}
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        program.training_step(StrategyBackend(self, batch), self.case, self.submodules(), batch_idx)
+        index = self.current_epoch if self.per_epoch else batch_idx
+        program.training_step(StrategyBackend(self, batch), self.case, self.submodules(), index)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         return [
@@ -85,7 +89,10 @@ class FuzzModule(pl.LightningModule):
         ]
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return sharded_loader(self, program.make_data(self.case), batch_size=GLOBAL_BATCH // WORLD_SIZE)
+        data = program.make_data(self.case)
+        if self.per_epoch:  # reloaded at every epoch
+            data = program.global_batch(data, self.current_epoch)
+        return sharded_loader(self, data, batch_size=GLOBAL_BATCH // WORLD_SIZE)
 
     def read(self, hook: str, name: str) -> None:
         grads = self.trainer.strategy.full_gradients(name)  # type: ignore[attr-defined]
@@ -111,24 +118,65 @@ def engine_config(engine: Engine) -> dict[str, Any]:
     return config
 
 
-def make_strategy(case: Case) -> MultiDeepSpeedStrategy:
-    configs: dict[str, dict[str, Any] | str] = {engine.name: engine_config(engine) for engine in case.engines}
+def make_strategy(case: Case, resumed: bool = False) -> MultiDeepSpeedStrategy:
+    """The case's strategy; ``resumed``: as its ``Resume`` changes it for the fit after the save."""
+    change = case.resume if resumed else None
+    configs: dict[str, dict[str, Any] | str] = {}
+    for engine in case.engines:
+        if change is None or engine.name not in change.drop_frozen:
+            stage = change.stages.get(engine.name, engine.stage) if change is not None else engine.stage
+            configs[engine.name] = engine_config(dataclasses.replace(engine, stage=stage))
     ema = None
-    if case.ema is not None:
+    if case.ema is not None and not (change is not None and change.drop_ema):
         configs[case.ema.average] = {"zero_optimization": {"stage": case.ema.stage}}
         ema = {case.ema.average: (case.ema.source, case.ema.decay)}
     return MultiDeepSpeedStrategy(engine_configs=configs, ema=ema)
 
 
-def fit(case: Case) -> dict[str, Any]:
+class SavesInside(pl.Callback):
+    """``trainer.save_checkpoint(path)`` inside ``strategy.gathered(name)`` when training ends."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        self.path, self.name = path, name
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with trainer.strategy.gathered(self.name):  # type: ignore[attr-defined]
+            trainer.save_checkpoint(self.path)
+
+
+def fit(case: Case, folder: Path) -> dict[str, Any]:
+    """Fit ``case``; with a ``Resume``, up to the save, then again from it (``folder`` holds the checkpoint)."""
     start = time.perf_counter()
-    module = FuzzModule(case)
-    strategy = make_strategy(case)
-    trainer = cpu_trainer(strategy, precision=case.precision, use_distributed_sampler=False, enable_checkpointing=False)
-    trainer.fit(module)
+    if case.resume is None:
+        module = FuzzModule(case)
+        strategy = make_strategy(case)
+        options = dict(precision=case.precision, use_distributed_sampler=False, enable_checkpointing=False)
+        cpu_trainer(strategy, **options).fit(module)
+        reads = module.reads
+    else:
+        strategy, reads = fit_and_resume(case, folder / "saved.ckpt")
     state = strategy.consolidated_state_dict()  # every rank: gathers ZeRO-3 partitions
     weights = {k: v.detach().float().clone() for k, v in state.items()}
-    return {"weights": weights, "reads": module.reads, "seconds": time.perf_counter() - start}
+    return {"weights": weights, "reads": reads, "seconds": time.perf_counter() - start}
+
+
+def fit_and_resume(case: Case, path: Path) -> tuple[MultiDeepSpeedStrategy, list[dict[str, Any]]]:
+    assert case.resume is not None
+    options = dict(
+        precision=case.precision,
+        use_distributed_sampler=False,
+        enable_checkpointing=False,
+        reload_dataloaders_every_n_epochs=1,
+    )
+    inside = [SavesInside(path, case.resume.inside)] if case.resume.inside else []
+    first = FuzzModule(case, per_epoch=True)
+    trainer = cpu_trainer(make_strategy(case), max_epochs=case.resume.at, callbacks=inside, **options)
+    trainer.fit(first)
+    if not inside:
+        trainer.save_checkpoint(path)
+    second, strategy = FuzzModule(case, per_epoch=True), make_strategy(case, resumed=True)
+    cpu_trainer(strategy, max_epochs=case.steps, **options).fit(second, ckpt_path=path)
+    return strategy, first.reads + second.reads
 
 
 def describe(error: BaseException) -> dict[str, Any]:
@@ -147,7 +195,7 @@ def main() -> None:
     rank = int(os.environ.get("NODE_RANK", "0")) + int(os.environ.get("LOCAL_RANK", "0"))  # 1 node, or 1 per node
     for index, case in enumerate(cases):
         try:
-            result = fit(case)
+            result = fit(case, root / str(index))
         except BaseException as error:
             (root / f"{index}.rank{rank}.error.json").write_text(json.dumps(describe(error)))
             raise

@@ -7,10 +7,15 @@ engines, detach and no_grad, toggling, accumulation over micro-batches, every ``
 ``full_gradients``, and an EMA engine. ``FIXES`` draws with ``grammar.FULL``: seeds that exercise the six
 defects' dimensions and pass since their fixes (``on_after_backward`` reads, ``offload_optimizer``, the bf16
 optimizer's fp32 accumulation, a term on some ranks only, a reentrant checkpoint beside a plain call).
-``test_the_slice_covers`` keeps them covering that. ``make fuzz`` runs the whole grammar over a range of seeds.
+``test_the_slice_covers`` keeps them covering that. ``RESUMES`` draws with ``grammar.SAFE_RESUMING``: layers
+shared by two engines (refused at setup), and resumes with a ZeRO stage changed (ZeRO-1 <-> ZeRO-2 resumes, others
+are refused at load), a save inside ``gathered``, the EMA or a frozen engine dropped. ``make fuzz`` runs the whole
+grammar over a range of seeds.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -27,7 +32,7 @@ FIXES = (108, 264, 156, 292, 214, 164, 55)  # seeds of grammar.FULL
 @pytest.fixture(scope="module")
 def cases() -> list[Case]:
     safe = [grammar.generate(seed, grammar.SAFE, valid=reference.resolve) for seed in SLICE]
-    return safe + [grammar.generate(seed, grammar.FULL, valid=reference.resolve) for seed in FIXES]
+    return safe + [grammar.generate(seed, grammar.BEFORE_RESUME, valid=reference.resolve) for seed in FIXES]
 
 
 def features(case: Case) -> set[str]:
@@ -64,6 +69,48 @@ COVERED |= {"offload", "fp32_grad_accum", "gate_data", "call_reentrant", "read_a
 def test_the_slice_covers(cases: list[Case]) -> None:
     found = set().union(*(features(case) for case in cases))
     assert found >= COVERED, f"the slice no longer covers {sorted(COVERED - found)}: choose other seeds"
+
+
+RESUMES = (1130, 45, 129, 235, 250, 274)  # seeds of grammar.SAFE_RESUMING; the refused ones first (see below)
+
+
+@pytest.fixture(scope="module")
+def resumes() -> list[Case]:
+    return [grammar.generate(seed, grammar.SAFE_RESUMING, valid=reference.resolve) for seed in RESUMES]
+
+
+def resume_features(case: Case) -> set[str]:
+    found = {"shared_frozen"} if any(e.shares and not e.trained for e in case.engines) else set()
+    resume = case.resume
+    if resume is None:
+        return found
+    changed = {(case.engine(name).stage, stage) for name, stage in resume.stages.items() if case.engine(name).trained}
+    found |= {"stage_refused"} if reference.refusal(case) else set()
+    found |= {"stage_1_2"} if changed & {(1, 2), (2, 1)} and not reference.refusal(case) else set()
+    flags = {"inside": resume.inside is not None, "drop_ema": resume.drop_ema, "drop_frozen": bool(resume.drop_frozen)}
+    return found | {name for name, present in flags.items() if present}
+
+
+def test_the_resume_slice_covers(resumes: list[Case]) -> None:
+    found = set().union(*(resume_features(case) for case in resumes))
+    wanted = {"shared_frozen", "stage_refused", "stage_1_2", "inside", "drop_ema", "drop_frozen"}
+    assert found >= wanted, f"the resume slice no longer covers {sorted(wanted - found)}: choose other seeds"
+
+
+def test_shared_layers_and_resumes_train_as_plain_pytorch_or_are_refused(resumes: list[Case]) -> None:
+    """A refused case ends its launch; first in the list, each is confirmed without a second launch of its own."""
+    results = launch.run_cases(resumes, TIMEOUT, batch=len(resumes))
+    failed = []
+    for case, result in zip(resumes, results, strict=True):
+        refused = reference.refusal(case)
+        ok = (
+            result.kind == "match"
+            if refused is None
+            else result.kind == "documented" and re.search(refused, result.detail)
+        )
+        if not ok:
+            failed.append(f"seed {case.seed}: {result.kind} {result.detail} (expected {refused or 'a match'})")
+    assert not failed, "\n".join(failed)
 
 
 def test_the_slice_matches_plain_pytorch(cases: list[Case]) -> None:
