@@ -48,7 +48,7 @@ class Arrival:
             torch.distributed.all_gather(everyone, mine, group=self.group)
         except RuntimeError as error:
             raise RuntimeError(
-                f"`{block}` waited {self.timeout} for every rank to enter it ({error}). It gathers the ZeRO-3 "
+                f"`{block}` did not meet every rank within {self.timeout} ({error}). It gathers the ZeRO-3 "
                 "engine's partitions from every rank, so every rank must enter it, at the same point: don't put it "
                 "under a condition that differs between ranks (such as `if self.global_rank == 0`). If some ranks "
                 "only arrive later, raise `MultiDeepSpeedStrategy(gathered_timeout=...)`."
@@ -114,7 +114,7 @@ def gathered(
             optimizer.inside = ""
 
 
-def whole(params: Iterable[nn.Parameter], modifier_rank: int | None = None) -> AbstractContextManager:
+def whole(params: Iterable[nn.Parameter]) -> AbstractContextManager:
     """``deepspeed.zero.GatheredParameters`` over those of ``params`` ZeRO-3 holds partitioned now; a collective call.
 
     Inside :func:`gathered` a submodule's parameters are whole already, and DeepSpeed refuses to gather them again
@@ -122,4 +122,4 @@ def whole(params: Iterable[nn.Parameter], modifier_rank: int | None = None) -> A
     keeps whole between forwards. Every rank is in the same blocks, so every rank gathers the same list.
     """
     partitioned = [param for param in params if is_zero_param(param) and not internals.is_gathered(param)]
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank, enabled=bool(partitioned))
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None, enabled=bool(partitioned))

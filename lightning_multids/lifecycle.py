@@ -303,10 +303,20 @@ def _agreed(agree: Callable[[BaseException | None], None]) -> Iterator[None]:
 def _unpartition_children(module: pl.LightningModule, keep: Callable[[str], bool]) -> None:
     """Make whole again the submodules ``configure_model`` built under ``zero.Init`` that ``keep`` rejects.
 
-    Every rank reaches the same decisions, so the collective gathers line up.
+    Every rank reaches the same decisions, so the collective gathers line up. A submodule that shares a
+    partitioned parameter with one that stays partitioned is refused: made whole, it would hold a copy.
     """
+    kept = {p: name for name, child in module.named_children() if keep(name) for p in child.parameters()}
     for name, child in module.named_children():
         if is_partitioned(child) and not keep(name):
+            holder = next((kept[p] for p in child.parameters() if p in kept), None)
+            if holder is not None:
+                raise ValueError(
+                    f"The submodule {name!r} shares a parameter with the ZeRO-3 submodule {holder!r} (built under "
+                    f"`zero.Init` in `configure_model`), and is not ZeRO-3 itself: made whole, {name!r} would run on "
+                    f"a copy that does not train. Give both the same stage in `engine_configs`, or call the shared "
+                    f"layer through `self.{holder}` in the forward."
+                )
             unpartition(child)
 
 

@@ -139,13 +139,15 @@ def check_disjoint(module: nn.Module, engines: Sequence[str], configs: Mapping[s
 
     An engine owns its parameters: a frozen one turns their gradients off, a ZeRO-3 one partitions them. A
     second owner would silently stop the shared layer training, run on a copy of it, or fail inside DeepSpeed.
-    Plain submodules sharing with a ZeRO-0/1/2 engine are fine: the loss reaches that engine through them.
+    Plain submodules sharing with a ZeRO-0/1/2 engine are fine: the loss reaches that engine through them. So is a
+    frozen layer (``requires_grad=False``) that engines at ZeRO-0/1/2 in one precision share (two heads on one
+    frozen encoder): no engine partitions it, casts it apart, or turns anything off.
     """
     owner: dict[nn.Parameter, str] = {}
     for name in engines:
         for param in getattr(module, name).parameters():
             other = owner.setdefault(param, name)
-            if other != name:
+            if other != name and not _may_share(param, configs[other], configs[name]):
                 raise ValueError(
                     f"The engines {other!r} and {name!r} share a parameter. An engine owns its parameters (a frozen "
                     "one turns their gradients off, a ZeRO-3 one partitions them), so the shared layer would stop "
@@ -164,6 +166,14 @@ def check_disjoint(module: nn.Module, engines: Sequence[str], configs: Mapping[s
                     f"partitions it: {name!r} would run on a copy that does not train. Give {holder!r} ZeRO-0/1/2 "
                     f"in `engine_configs`, or call the shared layer through `self.{holder}` in the forward."
                 )
+
+
+def _may_share(param: nn.Parameter, a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    same_precision = all(bool(a.get(k, {}).get("enabled")) == bool(b.get(k, {}).get("enabled")) for k in PRECISIONS)
+    return not param.requires_grad and zero_stage(a) != 3 and zero_stage(b) != 3 and same_precision
+
+
+PRECISIONS = ("bf16", "fp16")
 
 
 def _check_one_optimizer(name: str, config: Mapping[str, Any]) -> None:

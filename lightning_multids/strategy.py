@@ -86,8 +86,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             ``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn(decay)`` would. Saved with every
             checkpoint and resumed (see :mod:`lightning_multids.ema`).
         gathered_timeout: how long :meth:`gathered` of a ZeRO-3 engine waits for every rank to enter it before it
-            raises, instead of waiting in its all-gather for the ``timeout`` of every collective; ``None`` turns
-            the check off (and its gloo group, one barrier per block).
+            raises, instead of waiting in its all-gather for ``timeout``; separate from ``timeout``, so raise it too
+            where ranks reach a block further apart. ``None`` turns the check off (a gloo group, made at setup where
+            some engine is ZeRO-3, and one small all-gather per block).
         engines: deprecated name of ``engine_configs``.
     """
 
@@ -219,11 +220,6 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ds_accelerator.follow(self.root_device.type)
         super().setup_distributed()
         deepspeed.init_distributed(dist_backend=self._process_group_backend, auto_mpi_discovery=False, verbose=False)
-        if self._arrival is not None:  # a setup whose teardown did not run: every rank makes a new one alike
-            self._arrival.close()
-            self._arrival = None
-        if self.world_size > 1 and self.gathered_timeout is not None:
-            self._arrival = Arrival(self.gathered_timeout)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -265,7 +261,21 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 device_type=self.root_device.type,
             )
         self.setup_precision_plugin()
+        self._start_arrival()
         self._finish_loading()
+
+    def _start_arrival(self) -> None:
+        """The check-in of :meth:`gathered`, where some engine is ZeRO-3 (the same decision on every rank)."""
+        if self._arrival is not None:  # a setup whose teardown did not run: every rank makes a new one alike
+            self._arrival.close()
+            self._arrival = None
+        engines = self._engine_set.engines.values()
+        if (
+            self.world_size > 1
+            and self.gathered_timeout is not None
+            and any(e.zero_optimization_stage() == 3 for e in engines)
+        ):
+            self._arrival = Arrival(self.gathered_timeout)
 
     def _setup_fit(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         check_clip_algorithm(trainer)
@@ -365,7 +375,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             with self.trainer.strategy.gathered("actor") as actor:
                 sequences = actor.generate(prompts, length)
 
-        The whole submodule, in its engine's dtype, is on every rank during the block. At ZeRO-0/1/2 it is whole
+        The block is for reading: a change to the weights inside it is dropped when the block ends (and what
+        ``trainer.save_checkpoint`` writes inside it is what the block holds then). The whole submodule, in its
+        engine's dtype, is on every rank during the block. At ZeRO-0/1/2 it is whole
         anyway and only ``no_grad`` applies; so it is under ``validate``/``test``/``predict``, where only ZeRO-3
         submodules get an engine and the others are plain.
         """
