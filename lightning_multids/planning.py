@@ -168,12 +168,12 @@ def check_disjoint(module: nn.Module, engines: Sequence[str], configs: Mapping[s
                 )
 
 
+PRECISIONS = ("bf16", "fp16")
+
+
 def _may_share(param: nn.Parameter, a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     same_precision = all(bool(a.get(k, {}).get("enabled")) == bool(b.get(k, {}).get("enabled")) for k in PRECISIONS)
     return not param.requires_grad and zero_stage(a) != 3 and zero_stage(b) != 3 and same_precision
-
-
-PRECISIONS = ("bf16", "fp16")
 
 
 def _check_one_optimizer(name: str, config: Mapping[str, Any]) -> None:

@@ -266,9 +266,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     def _start_arrival(self) -> None:
         """The check-in of :meth:`gathered`, where some engine is ZeRO-3 (the same decision on every rank)."""
-        if self._arrival is not None:  # a setup whose teardown did not run: every rank makes a new one alike
-            self._arrival.close()
-            self._arrival = None
+        self._stop_arrival()  # a setup whose teardown did not run: every rank makes a new one alike
         engines = self._engine_set.engines.values()
         if (
             self.world_size > 1
@@ -276,6 +274,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             and any(e.zero_optimization_stage() == 3 for e in engines)
         ):
             self._arrival = Arrival(self.gathered_timeout)
+
+    def _stop_arrival(self) -> None:
+        if self._arrival is not None:
+            self._arrival.close()
+            self._arrival = None
 
     def _setup_fit(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         check_clip_algorithm(trainer)
@@ -619,9 +622,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ``fit`` as under DDP, until :meth:`release` or the next setup.
         """
         release_engines(self._engine_set)
-        if self._arrival is not None:
-            self._arrival.close()
-            self._arrival = None
+        self._stop_arrival()
         self._loading = None  # a checkpoint read for a setup that did not finish
         module = self.lightning_module
         fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
