@@ -51,6 +51,7 @@ from lightning_multids.optimizer import EngineOptimizer
 from lightning_multids.strategy import MultiDeepSpeedStrategy
 
 STRATEGY = "strategy"
+GRADIENT_HOOK = "gradient hook (per parameter): entry, phases, fp16 factors"
 LIGHTNING = "the loop (A: Lightning's)"
 OUTSIDE = {
     "user": "the user's training_step",
@@ -100,7 +101,6 @@ def targets(case: str) -> list[tuple[Any, str, str, str]]:
     """(owner, attribute, label, kind) of every function timed: the strategy's, and what it calls out to."""
     return [
         (engines, "reached_engines", "discovery: graph walk (fp16 at different scales only)", STRATEGY),
-        (routing.Router, "_on_gradient", "gradient hook (per parameter): entry, phases, fp16 factors", STRATEGY),
         (routing.Route, "enter", "backward prologue call", STRATEGY),
         (routing.Route, "finish", "backward epilogue calls", STRATEGY),
         (routing.Route, "leave", "backward exit marks", STRATEGY),
@@ -140,12 +140,13 @@ def instrumented(profile: HostProfile, case: str) -> Iterator[None]:
     for owner, name, label, kind in targets(case):
         originals.append((owner, name, owner.__dict__[name]))
         setattr(owner, name, profile.timed(label, kind, getattr(owner, name)))
-    cast_inputs = lifecycle.cast_inputs
+    cast_inputs, gradient_hook = lifecycle.cast_inputs, routing.Router._gradient_hook
     lifecycle.cast_inputs = lambda dtype: profile.timed("input cast (forward pre-hook)", STRATEGY, cast_inputs(dtype))  # type: ignore[assignment]
+    routing.Router._gradient_hook = lambda *args: profile.timed(GRADIENT_HOOK, STRATEGY, gradient_hook(*args))  # type: ignore[method-assign]
     try:
         yield
     finally:
-        lifecycle.cast_inputs = cast_inputs
+        lifecycle.cast_inputs, routing.Router._gradient_hook = cast_inputs, gradient_hook  # type: ignore[method-assign]
         for owner, name, original in reversed(originals):
             setattr(owner, name, original)
 

@@ -35,7 +35,6 @@ reduce-scatter at stage 2/3) and the ZeRO-3 module hooks that gather and release
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,13 +44,8 @@ from deepspeed import DeepSpeedEngine
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids import internals
+from lightning_multids._compat.torch import accumulates_into, current_graph_task_id, queue_callback
 from lightning_multids.discovery import UNWALKED, Reach
-
-_queue_callback: Callable[[Callable[[], None]], None] = (
-    getattr(torch.autograd.graph, "queue_callback", None) or torch.autograd.Variable._execution_engine.queue_callback
-)
-"""Run a function when the current backward's graph task ends: public from torch 2.15; before it (2.11-2.14) the
-same call on the private execution engine."""
 
 
 @dataclass
@@ -173,29 +167,42 @@ class Router:
         params = list(engine.module.parameters())
         self.sizes[name] = len(params)
         return [
-            param.register_hook(functools.partial(self._on_gradient, name, engine, index))
+            param.register_hook(self._gradient_hook(name, engine, index))
             for index, param in enumerate(params)
             if param.requires_grad
         ]
 
-    def _on_gradient(self, name: str, engine: DeepSpeedEngine, index: int, grad: torch.Tensor) -> torch.Tensor | None:
-        route = self.current
-        if route is None:
-            _refuse_unrouted(name)
+    def _gradient_hook(
+        self, name: str, engine: DeepSpeedEngine, index: int
+    ) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        """The tensor hook of ``engine``'s parameter number ``index`` (:meth:`watch`).
+
+        A closure, and after the engine's first gradient of a phase only a comparison and a record of the
+        arrival: it runs once per parameter per backward.
+        """
+
+        def on_gradient(grad: torch.Tensor) -> torch.Tensor | None:
+            route = self.current
+            if route is None:
+                _refuse_unrouted(name)
+                return None
+            phases = route.entered.get(name)
+            if phases is None:
+                if route.engines.get(name) is not engine:
+                    return None
+                phases = route.enter(name)
+            task = current_graph_task_id()
+            if task != phases.task or not phases.pending:  # the engine's first gradient in this (nested) backward
+                _start_phase(route, engine, phases, task)
+            arrived = phases.arrived
+            if index not in arrived:
+                arrived[index] = len(arrived) + 1
+            if route.factors:
+                factor = route.factors.get(name, 1.0)
+                return grad * factor if factor != 1.0 else None
             return None
-        if route.engines.get(name) is not engine:
-            return None
-        phases = route.entered.get(name) or route.enter(name)
-        task = torch._C._current_graph_task_id()  # torch-private (2.11-2.13): which (nested) backward runs
-        if phases.pending and task != phases.task:  # a plain call's gradients, then a reentrant checkpoint's
-            _end_phase(engine, phases)
-        phases.pending, phases.task = True, task
-        phases.arrived.setdefault(index, len(phases.arrived) + 1)
-        if task not in (route.root_task, -1) and task not in phases.ended:
-            phases.ended.add(task)
-            _queue_callback(lambda: _end_phase(engine, phases))
-        factor = route.factors.get(name, 1.0)
-        return grad * factor if factor != 1.0 else None
+
+        return on_gradient
 
     @contextmanager
     def routed(
@@ -221,7 +228,7 @@ class Router:
         route = Route(engines, factors or {}, self.sizes)
 
         def record_root(grad: torch.Tensor) -> torch.Tensor:
-            route.root_task = torch._C._current_graph_task_id()
+            route.root_task = current_graph_task_id()
             return grad
 
         handle = loss.register_hook(record_root) if loss.requires_grad else None
@@ -247,17 +254,9 @@ def _refuse_unrouted(name: str) -> None:
     Called from the parameter's tensor hook. Such a backward (``loss.backward()``, ``torch.autograd.backward``) runs
     no prologue or epilogue, and ZeRO's gradient hooks would reduce into state the next routed backward then trips
     over; it is refused here, before the gradient reaches ``param.grad`` or ZeRO. ``torch.autograd.grad`` accumulates
-    nothing and passes. torch-private, read from torch 2.11-2.13: ``_current_autograd_node`` is the parameter's
-    gradient accumulator, and ``_will_engine_execute_node`` on it refuses to answer under ``autograd.grad``.
+    nothing and passes (:func:`~lightning_multids._compat.torch.accumulates_into`).
     """
-    node = torch._C._current_autograd_node()
-    if node is None:
-        return
-    try:
-        accumulates = torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # "... we are currently running autograd.grad()": nothing is accumulated
-        return
-    if accumulates:
+    if accumulates_into():
         raise RuntimeError(
             f"A backward outside `self.manual_backward` reached the parameters of engine {name!r} (a plain "
             "`loss.backward()` or `torch.autograd.backward(...)`). Under MultiDeepSpeedStrategy a backward that gives "
@@ -265,6 +264,20 @@ def _refuse_unrouted(name: str) -> None:
             "every engine it reaches: replace the call with `self.manual_backward(loss)`. For gradients with respect "
             "to inputs only (a saliency map, a penalty), use `torch.autograd.grad(output, inputs)`."
         )
+
+
+def _start_phase(route: Route, engine: DeepSpeedEngine, phases: _Phases, task: int) -> None:
+    """An engine's first gradient in graph task ``task``: close its pending phase of another task, note this one.
+
+    A plain call's gradients, then a reentrant checkpoint's, form two phases; a nested task (not the root's)
+    closes its phase when it ends.
+    """
+    if phases.pending and task != phases.task:
+        _end_phase(engine, phases)
+    phases.pending, phases.task = True, task
+    if task not in (route.root_task, -1) and task not in phases.ended:
+        phases.ended.add(task)
+        queue_callback(lambda: _end_phase(engine, phases))
 
 
 def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:

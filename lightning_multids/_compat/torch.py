@@ -1,0 +1,62 @@
+"""torch's private names the strategy reads, each read from torch 2.11-2.15 (checked on 2.11, 2.13 and 2.15).
+
+Every private torch name on the strategy's step path is here, so that a torch release that moves one breaks
+one file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.optim import optimizer as _optimizer
+
+queue_callback: Callable[[Callable[[], None]], None] = (
+    getattr(torch.autograd.graph, "queue_callback", None) or torch.autograd.Variable._execution_engine.queue_callback
+)
+"""Run a function when the current backward's graph task ends: public from torch 2.15; before it (2.11-2.14) the
+same call on the private execution engine."""
+
+current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+"""Which (nested) backward runs now: each reentrant checkpoint's backward is its own graph task; -1 outside."""
+
+
+def accumulates_into() -> bool:
+    """Inside a parameter's tensor hook: whether this backward will accumulate the gradient into ``param.grad``.
+
+    ``_current_autograd_node`` is the parameter's gradient accumulator; ``_will_engine_execute_node`` on it says
+    whether the running backward executes it, and refuses to answer under ``torch.autograd.grad`` (which accumulates
+    nothing). False outside a backward.
+    """
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # "... we are currently running autograd.grad()": nothing is accumulated
+        return False
+
+
+def step_hooks_or_profiler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` must go through torch's hook runner (``Optimizer.profile_hook_step``).
+
+    True where a step hook is registered on the optimizer (``_optimizer_step_pre_hooks``/``_post_hooks``) or
+    globally (``register_optimizer_step_pre_hook``: ``_global_optimizer_pre_hooks``/``_post_hooks``), or where the
+    autograd profiler records (the runner's ``record_function`` region).
+    """
+    return bool(
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or _optimizer._global_optimizer_pre_hooks
+        or _optimizer._global_optimizer_post_hooks
+        or torch._C._autograd._profiler_enabled()
+    )
+
+
+def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, in one call (``torch._foreach_norm``).
+
+    One fused kernel per device and dtype on a GPU, one C++ loop on a CPU (where ``torch.nn.utils.get_total_norm``
+    loops in Python instead).
+    """
+    return list(torch._foreach_norm(tensors))
