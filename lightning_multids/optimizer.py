@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_multids import internals
+from lightning_multids._compat.torch import step_hooks_or_profiler
 from lightning_multids.nonfinite import NonFiniteGradients, skip_nonfinite_steps
 
 
@@ -91,8 +92,7 @@ class EngineOptimizer(Optimizer):
         params: Sequence[list[torch.nn.Parameter]],
     ) -> None:
         # Optimizer.__init__ is not called: the parameters and state live in the engine's optimizer. What torch's
-        # step hooks need is set here, and `step` is wrapped with torch's hook runner (`Optimizer.profile_hook_step`,
-        # which Optimizer.__init__ would apply).
+        # step hooks need is set here; `step` runs them through torch's hook runner (`_stepped_with_hooks`).
         self.name = name
         self.engine = engine
         self.optimizer = optimizer
@@ -174,15 +174,23 @@ class EngineOptimizer(Optimizer):
             "`trainer.fit(model, ckpt_path=path)`, which write and read every engine's part." + per_parameter
         )
 
-    @Optimizer.profile_hook_step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run ``closure`` if given (automatic optimization), then step the engine.
+
+        Step hooks (on this optimizer, its ``LightningOptimizer`` or torch's global ones) run around it, inside
+        torch's profiler region, as ``Optimizer.__init__`` arranges for every torch optimizer; with no hook
+        registered and no profiler recording, that runner and its region are skipped.
 
         Without a gradient since the last step or ``zero_grad``: in manual optimization this is an error
         (nothing would train); in automatic optimization (``training_step`` returned ``None``) the step is
         skipped, as Lightning does. A NaN or inf gradient refuses the step on every rank. Whether it
         succeeds or raises, the step ends with the gradients cleared and the engine's own clipping back.
         """
+        if step_hooks_or_profiler(self):
+            return self._stepped_with_hooks(closure=closure)
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -223,6 +231,10 @@ class EngineOptimizer(Optimizer):
         elif self.after_step is not None:
             self.after_step(self.name)
         return loss
+
+    @Optimizer.profile_hook_step
+    def _stepped_with_hooks(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self._step(closure)
 
     def _refuse_empty_step(self) -> None:
         if self.manual:

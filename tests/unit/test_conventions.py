@@ -91,6 +91,51 @@ def test_optimizer_step_hooks_run_around_each_engine_step() -> None:
     assert calls == ["global pre", "pre", "engine.step", "post"]
 
 
+def _fake_engine_optimizer(calls: list[str]) -> EngineOptimizer:
+    module = nn.Linear(2, 2)
+    engine = SimpleNamespace(
+        module=module,
+        optimizer=None,
+        fp16_enabled=lambda: False,
+        global_steps=0,
+        skipped_steps=0,
+        step=lambda: calls.append("engine.step"),
+        zero_grad=lambda: None,
+    )
+    optimizer = EngineOptimizer("generator", engine, torch.optim.SGD(module.parameters()), [list(module.parameters())])  # type: ignore[arg-type]
+    optimizer.has_gradients = True
+    return optimizer
+
+
+def test_a_step_without_hooks_or_profiler_skips_torchs_hook_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner opens a profiler region on every call (host time on each step); it is needed only for hooks."""
+    regions: list[str] = []
+    record_function = torch.autograd.profiler.record_function
+
+    def spy(name: str, *args: object) -> object:
+        regions.append(name)
+        return record_function(name, *args)
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", spy)
+    calls: list[str] = []
+    optimizer = _fake_engine_optimizer(calls)
+    optimizer.step()
+    assert calls == ["engine.step"] and regions == []
+
+    handle = optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+    optimizer.has_gradients = True
+    optimizer.step()
+    handle.remove()
+    assert calls == ["engine.step", "engine.step", "post"] and regions == ["Optimizer.step#EngineOptimizer.step"]
+
+
+def test_a_step_under_the_profiler_is_recorded_as_a_torch_optimizers() -> None:
+    optimizer = _fake_engine_optimizer([])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        optimizer.step()
+    assert "Optimizer.step#EngineOptimizer.step" in {event.name for event in profiler.events()}
+
+
 def test_a_checkpoint_io_is_refused() -> None:
     with pytest.raises(ValueError, match=r"checkpoint_io=TorchCheckpointIO\(...\)`.*Remove the `checkpoint_io`"):
         MultiDeepSpeedStrategy(checkpoint_io=TorchCheckpointIO())
