@@ -9,6 +9,7 @@ from deepspeed import DeepSpeedEngine
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids import internals
+from lightning_multids._compat.torch import foreach_norms
 
 
 class NonFiniteGradients(FloatingPointError):
@@ -31,10 +32,10 @@ def skip_nonfinite_steps(engine: DeepSpeedEngine) -> RemovableHandle | None:
 
 
 def _refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    # The L2 norm of all gradients (as clip_grad_norm_ computes it): one fused kernel per device and dtype on a
-    # GPU (torch's foreach norm), no full-size temporary, one host sync. A NaN or inf anywhere makes it
-    # non-finite; so would finite values past about 1e19, whose squares overflow (no real gradient is that large).
-    # On a CPU the L1 and max norms are several times slower than this one.
+    # One reduction over every gradient: the L2 norm of each (one fused kernel per device and dtype on a GPU, one C++
+    # loop on a CPU), summed, and one read of the result. A NaN or inf anywhere makes the sum non-finite; so would
+    # finite values past about 1e19, whose squares overflow (no real gradient is that large). DeepSpeed's own check
+    # at bf16 stage 0 (``BF16_Optimizer.step``: a global norm, read to decide) costs the same read.
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=2.0)):
+    if grads and not torch.isfinite(torch.stack(foreach_norms(grads)).sum()):
         raise NonFiniteGradients
