@@ -35,7 +35,7 @@ LANE_TARGETS ?= pytest
 # `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
 # `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
 unexport VENV PYTHON TORCH_SPEC WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
-.PHONY: install demo test test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu pytest fuzz lint typecheck bench bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-generation bench-gpu clean
+.PHONY: install demo test test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-memory bench-frozen bench-gradcache bench-generation bench-gpu clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -97,7 +97,7 @@ GPU_PYTHON ?= $(PY)
 test-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(STAMP))
 	$(GPU_PYTHON) -m pytest -m gpu tests/gpu -rs
 
-bench: bench-overhead bench-host bench-memory bench-frozen bench-gradcache bench-generation
+bench: bench-overhead bench-host bench-hooks bench-memory bench-frozen bench-gradcache bench-generation
 
 bench-overhead: $(STAMP)
 	for stage in 0 1 2 3; do \
@@ -114,6 +114,10 @@ bench-overhead: $(STAMP)
 bench-host: $(STAMP)
 	for case in gan distill single; do for stage in 0 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node 1 benchmarks/host.py --case $$case --stage $$stage; done; done
+
+# The cost of one gradient hook per parameter: the strategy's, a bare one, torch's multi-grad hook (one process).
+bench-hooks: $(STAMP)
+	$(PY) benchmarks/hooks.py --params 300
 
 # Not part of `bench`: needs CUDA GPUs (all of this machine's, over nccl) and a CUDA build of torch.
 GPUS ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
