@@ -27,3 +27,16 @@ def test_a_step_with_a_nonfinite_gradient_is_refused_before_it_updates(bad: floa
         optimizer.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     handle.remove()
+
+
+def test_low_precision_gradients_whose_norms_sum_past_their_range_are_applied() -> None:
+    """Each gradient's norm fits its dtype, their sum does not: the step is finite and must be applied."""
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16)) for _ in range(10)]
+    optimizer = torch.optim.SGD(params, lr=1e-4)
+    handle = skip_nonfinite_steps(SimpleNamespace(optimizer=optimizer, fp16_enabled=lambda: False))  # type: ignore[arg-type]
+    assert handle is not None
+    for param in params:
+        param.grad = torch.full((4,), 1e4, dtype=torch.float16)  # norm 2e4 each; 2e5 together, past fp16's 65504
+    optimizer.step()
+    assert all(param.eq(-1.0).all() for param in params)
+    handle.remove()
