@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_multids import internals
-from lightning_multids._compat.torch import step_hooks_or_profiler
+from lightning_multids._compat.torch import step_hooks_or_profiler, step_post_hooks
 from lightning_multids.nonfinite import NonFiniteGradients, skip_nonfinite_steps
 
 
@@ -174,12 +174,14 @@ class EngineOptimizer(Optimizer):
             "`trainer.fit(model, ckpt_path=path)`, which write and read every engine's part." + per_parameter
         )
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run ``closure`` if given (automatic optimization), then step the engine.
+    def step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Run the closure if given (``step(closure)``, automatic optimization), then step the engine.
 
         Step hooks (on this optimizer, its ``LightningOptimizer`` or torch's global ones) run around it, inside
-        torch's profiler region, as ``Optimizer.__init__`` arranges for every torch optimizer; with no hook
-        registered and no profiler recording, that runner and its region are skipped.
+        torch's profiler region, as ``Optimizer.__init__`` arranges for every torch optimizer. With no hook
+        registered and no profiler recording when the step starts, that runner and its region are skipped; post
+        hooks registered during the step (in the closure) still run after it, as the runner would run them. (An
+        ``ExecutionTraceObserver`` recording without ``torch.profiler`` does not see the region then.)
 
         Without a gradient since the last step or ``zero_grad``: in manual optimization this is an error
         (nothing would train); in automatic optimization (``training_step`` returned ``None``) the step is
@@ -187,8 +189,11 @@ class EngineOptimizer(Optimizer):
         succeeds or raises, the step ends with the gradients cleared and the engine's own clipping back.
         """
         if step_hooks_or_profiler(self):
-            return self._stepped_with_hooks(closure=closure)
-        return self._step(closure)
+            return self._stepped_with_hooks(*args, **kwargs)
+        loss = self._step(*args, **kwargs)
+        for hook in step_post_hooks(self):  # registered during the step
+            hook(self, (self, *args), kwargs)
+        return loss
 
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
@@ -233,8 +238,8 @@ class EngineOptimizer(Optimizer):
         return loss
 
     @Optimizer.profile_hook_step
-    def _stepped_with_hooks(self, closure: Callable[[], Any] | None = None) -> Any:
-        return self._step(closure)
+    def _stepped_with_hooks(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step(*args, **kwargs)
 
     def _refuse_empty_step(self) -> None:
         if self.manual:

@@ -53,6 +53,14 @@ def step_hooks_or_profiler(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+def step_post_hooks(optimizer: torch.optim.Optimizer) -> list[Callable[..., None]]:
+    """The step post hooks torch's runner would call after ``optimizer.step()``: the optimizer's, then the global ones.
+
+    ``Optimizer.profile_hook_step`` reads them after the step body, so a hook registered during the step runs.
+    """
+    return [*optimizer._optimizer_step_post_hooks.values(), *_optimizer._global_optimizer_post_hooks.values()]
+
+
 def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The L2 norm of each tensor, in one call (``torch._foreach_norm``).
 

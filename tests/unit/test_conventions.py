@@ -129,6 +129,22 @@ def test_a_step_without_hooks_or_profiler_skips_torchs_hook_runner(monkeypatch: 
     assert calls == ["engine.step", "engine.step", "post"] and regions == ["Optimizer.step#EngineOptimizer.step"]
 
 
+def test_a_post_hook_registered_during_the_step_runs_after_it() -> None:
+    """torch's runner reads the post hooks after the step body, so one registered in the closure runs; so here."""
+    calls: list[str] = []
+    optimizer = _fake_engine_optimizer(calls)
+    handles = []
+
+    def closure() -> None:
+        calls.append("closure")
+        handles.append(optimizer.register_step_post_hook(lambda *_: calls.append("post")))
+
+    optimizer.manual = False
+    optimizer.step(closure)
+    handles[0].remove()
+    assert calls == ["closure", "engine.step", "post"]
+
+
 def test_a_step_under_the_profiler_is_recorded_as_a_torch_optimizers() -> None:
     optimizer = _fake_engine_optimizer([])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
