@@ -22,7 +22,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -30,7 +29,6 @@ from typing_extensions import override
 from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
 from lightning_multids import gradients, internals, loading
-from lightning_multids._deprecation import engine_configs_argument
 from lightning_multids.config import load_config, validate_stage, zero3_init_config
 from lightning_multids.data import forget_requested
 from lightning_multids.discovery import check_engine_names
@@ -89,7 +87,6 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             raises, instead of waiting in its all-gather for ``timeout``; separate from ``timeout``, so raise it too
             where ranks reach a block further apart. ``None`` turns the check off (a gloo group, made at setup where
             some engine is ZeRO-3, and one small all-gather per block).
-        engines: deprecated name of ``engine_configs``.
     """
 
     strategy_name = "multi_deepspeed"
@@ -110,7 +107,6 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         save_frozen: bool = False,
         ema: EmaArgument | None = None,
         gathered_timeout: timedelta | None = timedelta(minutes=5),
-        engines: dict[str, dict[str, Any] | str] | None = None,
     ) -> None:
         _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
@@ -124,7 +120,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         )
         self.stage = validate_stage(stage, what="MultiDeepSpeedStrategy(stage=...)")
         self.config = load_config(config, what="every engine (`config=`)")
-        per_engine = engine_configs_argument(engine_configs, engines)
+        per_engine = {} if engine_configs is None else engine_configs
         if not isinstance(per_engine, Mapping):
             raise ValueError(
                 f"MultiDeepSpeedStrategy(engine_configs=...) got a {type(per_engine).__name__} ({per_engine!r}); "
@@ -147,15 +143,6 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """A checkpoint whose Lightning part was read before setup: setup loads the rest once the engines exist."""
         self._restore_summary: Callable[[], None] = _nothing
         self._show_zero_deprecations: Callable[[], None] = _nothing
-
-    @property
-    def engine_overrides(self) -> dict[str, dict[str, Any]]:
-        """Deprecated name of :attr:`engine_configs`."""
-        rank_zero_deprecation(
-            "`MultiDeepSpeedStrategy.engine_overrides` is deprecated and will be removed in a future release. "
-            "Read `strategy.engine_configs` instead."
-        )
-        return self.engine_configs
 
     @property
     def engines(self) -> dict[str, DeepSpeedEngine]:

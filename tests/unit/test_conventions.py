@@ -18,7 +18,6 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import lightning_multids
 from lightning_multids import MultiDeepSpeedStrategy, internals
 from lightning_multids.internals import UnsupportedDeepSpeed
 from lightning_multids.optimizer import EngineOptimizer
@@ -164,26 +163,3 @@ def test_a_failure_is_logged_with_its_rank(caplog: pytest.LogCaptureFixture) -> 
         MultiDeepSpeedStrategy().on_exception(RuntimeError("Connection closed by peer"))
     assert "[rank 0] MultiDeepSpeedStrategy: RuntimeError: Connection closed by peer" in caplog.text
     assert "another rank stopped" in caplog.text
-
-
-def test_the_engines_argument_is_renamed_engine_configs() -> None:
-    override = {"discriminator": {"zero_optimization": {"stage": 3}}}
-    with pytest.deprecated_call(match=r"`MultiDeepSpeedStrategy\(engines=...\)` is deprecated.*`engine_configs=...`"):
-        strategy = MultiDeepSpeedStrategy(engines=override)  # type: ignore[arg-type]
-    assert strategy.engine_configs == override
-    assert MultiDeepSpeedStrategy(engine_configs=override).engine_configs == override  # type: ignore[arg-type]
-    with pytest.deprecated_call(match="Read `strategy.engine_configs` instead"):
-        assert strategy.engine_overrides == override
-    with pytest.raises(ValueError, match="both `engine_configs=` and `engines=`"):
-        MultiDeepSpeedStrategy(engines={}, engine_configs={})
-
-
-def test_moved_utilities_keep_their_old_import_paths() -> None:
-    with pytest.deprecated_call(match="Import it from `lightning_multids.utilities.gradcache`"):
-        from lightning_multids.gradcache import grad_cache
-    assert grad_cache is lightning_multids.utilities.grad_cache
-    with pytest.deprecated_call(match="Import it from `lightning_multids.utilities.reductions`"):
-        from lightning_multids.diagnostics import ReductionCounter
-    assert ReductionCounter is lightning_multids.utilities.ReductionCounter
-    with pytest.raises(ImportError):
-        from lightning_multids.gradcache import _RandomState  # noqa: F401  (private names did not move publicly)
