@@ -1,14 +1,16 @@
-"""The README's shell commands, run as printed, in order, in one shell, on a fresh clone of this checkout.
+"""The shell commands of README.md and of the guides in docs/, run as printed, in order, in one shell, on a fresh clone.
 
-A new user follows README.md top to bottom: ``make demo``, activating ``.venv``, TensorBoard, export, the
-CLI, the other examples. This test does the same: it clones the repository (``HEAD``, so what is committed),
-takes every ```` ```bash ```` block of the clone's README in order, and runs them as one bash script
-(``set -e``) in the clone. Two things differ from typing them: ``tensorboard``, a server that runs until
-stopped, passes if it is still serving after 20 s; and the output is checked for what a run must not print
-(:data:`tests.distributed.test_examples.AVOIDABLE`) and for the demo's digits (none below 5% of samples).
+A new user follows README.md top to bottom (``make demo``, activating ``.venv``, TensorBoard), then the guides:
+export, the CLI, the other examples. This test does the same: it clones the repository (``HEAD``, so what is
+committed), takes every ```` ```bash ```` block of the clone's README in order, then those of each guide in
+:data:`DOCS`, in that order, and runs them all as one bash script (``set -e``) in the clone. Two things differ
+from typing them: ``tensorboard``, a server that runs until stopped, passes if it is still serving after 20 s;
+and the output is checked for what a run must not print (:data:`tests.distributed.test_examples.AVOIDABLE`) and
+for the demo's digits (none below 5% of samples).
 
 It needs its own ``make demo`` install (a few minutes), so it runs only from ``make test-readme``
-(``README_DOCTEST=1``), part of ``make test-all``.
+(``README_DOCTEST=1``), part of ``make test-all``. The unit tests of this file (how blocks are found, that every
+guide with a bash block is in :data:`DOCS`) always run.
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ PRELUDE = """set -eo pipefail
 tensorboard() { local rc=0; timeout 20 "$(type -P tensorboard)" "$@" || rc=$?; [ "$rc" -eq 124 ]; }
 """
 
-pytestmark = pytest.mark.skipif(os.environ.get("README_DOCTEST") != "1", reason="run by `make test-readme`")
+DOCS = ["docs/checkpoints.md", "docs/command-line.md", "docs/examples.md"]
+"""The guides whose bash blocks run after the README's, in this order. The README's blocks come first: they run
+``make demo`` and activate ``.venv``. Each guide comes after those whose commands it needs: the checkpoint guide
+exports the demo's checkpoint; the command-line guide validates and exports it too, and adds runs of its own
+(``version_1``, ``version_2``); the examples' commands need only the demo's install. A guide in ``docs/`` with a
+bash block must be listed (:func:`test_every_guide_with_bash_blocks_is_run`)."""
+
+doctest_only = pytest.mark.skipif(os.environ.get("README_DOCTEST") != "1", reason="run by `make test-readme`")
 
 
 def bash_blocks(readme: str) -> list[str]:
@@ -46,6 +55,21 @@ def test_bash_blocks_are_found_in_order() -> None:
     assert bash_blocks(readme) == ["make demo", "lightning-multids export a b"]
 
 
+def script_blocks(root: Path) -> list[str]:
+    """The bash blocks the test runs, in order: README.md's, then each of :data:`DOCS`'s."""
+    return [block for path in ["README.md", *DOCS] for block in bash_blocks((root / path).read_text())]
+
+
+def test_every_guide_with_bash_blocks_is_run() -> None:
+    guides = sorted(path.relative_to(REPO).as_posix() for path in (REPO / "docs").glob("*.md"))
+    with_blocks = [guide for guide in guides if bash_blocks((REPO / guide).read_text())]
+    missing = [guide for guide in with_blocks if guide not in DOCS]
+    assert not missing, f"add these guides to DOCS in tests/readme/test_readme.py, after what they need: {missing}"
+    assert len(set(DOCS)) == len(DOCS), f"a guide is listed twice in DOCS: {DOCS}"
+    unknown = [guide for guide in DOCS if guide not in guides]
+    assert not unknown, f"DOCS lists guides that do not exist: {unknown}"
+
+
 def digit_shares(output: str) -> dict[int, float]:
     """The first ``Digits drawn:`` line of the output (the demo's) as digit -> share in percent."""
     line = re.search(r"^Digits drawn: +(.*)$", output, flags=re.M)
@@ -53,10 +77,11 @@ def digit_shares(output: str) -> dict[int, float]:
     return {int(digit): float(share) for digit, share in re.findall(r"(\d): (\d+\.\d)%", line.group(1))}
 
 
+@doctest_only
 def test_readme_commands_run_as_printed(tmp_path: Path) -> None:
     clone = tmp_path / "lightning-multids"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
-    script = PRELUDE + "\n".join(bash_blocks((clone / "README.md").read_text())) + "\n"
+    script = PRELUDE + "\n".join(script_blocks(clone)) + "\n"
     (tmp_path / "readme.sh").write_text(script)
     inherited = ("VIRTUAL_ENV", "TORCH_EXTENSIONS", "PYTHONPATH", "MAKE", "MFLAGS")  # a new user's shell has none
     environment = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
@@ -74,11 +99,13 @@ def test_readme_commands_run_as_printed(tmp_path: Path) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
-        raise AssertionError(f"the README's commands did not finish in {TIMEOUT} s:\n{output[-6000:]}") from None
+        raise AssertionError(
+            f"the README's and guides' commands did not finish in {TIMEOUT} s:\n{output[-6000:]}"
+        ) from None
     (tmp_path / "readme.log").write_text(output)
-    assert proc.returncode == 0, f"a README command failed ({proc.returncode}):\n{output[-8000:]}"
+    assert proc.returncode == 0, f"a README or guide command failed ({proc.returncode}):\n{output[-8000:]}"
     for avoidable in AVOIDABLE + INSTALL_WARNINGS:
-        assert avoidable not in output, f"the README's commands printed {avoidable!r}"
+        assert avoidable not in output, f"the README's and guides' commands printed {avoidable!r}"
     shares = digit_shares(output)
     assert sorted(shares) == list(range(10)), shares
     assert min(shares.values()) >= 5.0, f"the demo's GAN draws some digit in under 5% of samples: {shares}"
