@@ -1,8 +1,7 @@
 """lightning_multids: one DeepSpeed engine per submodule of a LightningModule."""
 
-from lightning_multids.environment import keep_extensions_in_environment, quiet_accelerator_guess
+from lightning_multids.environment import quiet_accelerator_guess
 
-keep_extensions_in_environment()
 try:
     with quiet_accelerator_guess():
         import deepspeed  # noqa: F401  (a hard requirement: the strategy is DeepSpeed engines)

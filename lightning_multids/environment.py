@@ -1,22 +1,23 @@
-"""What ``import lightning_multids`` sets up before DeepSpeed is imported.
+"""What the package sets up around DeepSpeed: at import, only while DeepSpeed is imported; the rest while engines live.
+
+- DeepSpeed warns on import, on every machine without a GPU, that it set its accelerator to the CPU because
+  it found no GPU. The strategy sets DeepSpeed's accelerator from the Trainer's anyway
+  (:mod:`lightning_multids.accelerator`), so that one message is dropped while ``import lightning_multids`` imports
+  DeepSpeed (the filter is removed after it: the import leaves no global state behind).
+
+From the strategy's process-group start (``setup_distributed``) to its ``teardown``:
 
 - DeepSpeed JIT-builds a communication op with torch's C++ extension builder on its first process group.
   torch keeps such builds in ``~/.cache/torch_extensions/py311_cpu/``, a folder shared by every
   environment of that Python, whatever its torch or DeepSpeed: two virtual environments rebuild the op over
   each other (30-45 s each time). Unless ``TORCH_EXTENSIONS_DIR`` is set, it is set to a folder inside the
-  running environment (``sys.prefix``), so each environment builds once and keeps its build.
-- DeepSpeed warns on import, on every machine without a GPU, that it set its accelerator to the CPU because
-  it found no GPU. The strategy sets DeepSpeed's accelerator from the Trainer's anyway
-  (:mod:`lightning_multids.accelerator`), so that one message is dropped while DeepSpeed is imported here.
-
-While the strategy's engines live (from its ``setup`` to its ``teardown``), one more thing:
-
-- torch 2.13 and 2.14 deprecate ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which DeepSpeed 0.19.8's
-  ZeRO calls at every gather and reduction (torch 2.15 no longer does). Python's "once per place" does not hold
-  during a fit (the registry that remembers a warning is cleared whenever the warning filters change), so a ZeRO-3
-  engine printed them at every step, over a thousand lines per run, about a call the user did not write and
-  cannot change. Those two messages are not shown then; the filter is installed only where torch marks the
-  functions deprecated, and removed at teardown.
+  running environment (``sys.prefix``), so each environment builds once and keeps its build; teardown unsets it.
+- From ``setup``: torch 2.13 and 2.14 deprecate ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which
+  DeepSpeed 0.19.8's ZeRO calls at every gather and reduction (torch 2.15 no longer does). Python's "once per
+  place" does not hold during a fit (the registry that remembers a warning is cleared whenever the warning filters
+  change), so a ZeRO-3 engine printed them at every step, over a thousand lines per run, about a call the user did
+  not write and cannot change. Those two messages are not shown then; the filter is installed only where torch
+  marks the functions deprecated, and removed at teardown.
 """
 
 from __future__ import annotations
@@ -75,9 +76,20 @@ def default_extensions_dir() -> Path:
     return Path(sys.prefix) / "torch_extensions"
 
 
-def keep_extensions_in_environment() -> None:
-    """Set ``TORCH_EXTENSIONS_DIR`` to :func:`default_extensions_dir` unless it is set already."""
-    os.environ.setdefault(EXTENSIONS_VARIABLE, str(default_extensions_dir()))
+def keep_extensions_in_environment() -> Callable[[], None]:
+    """Set ``TORCH_EXTENSIONS_DIR`` to :func:`default_extensions_dir` unless it is set already; return what undoes it.
+
+    The undo unsets the variable only if it still holds the value set here (a value set since is someone else's).
+    """
+    if EXTENSIONS_VARIABLE in os.environ:
+        return _nothing
+    value = os.environ[EXTENSIONS_VARIABLE] = str(default_extensions_dir())
+
+    def unset() -> None:
+        if os.environ.get(EXTENSIONS_VARIABLE) == value:
+            del os.environ[EXTENSIONS_VARIABLE]
+
+    return unset
 
 
 class _DropAcceleratorGuess(logging.Filter):

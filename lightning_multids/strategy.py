@@ -34,7 +34,7 @@ from lightning_multids.data import forget_requested
 from lightning_multids.discovery import check_engine_names
 from lightning_multids.ema import EmaArgument, average_entries, check_average_names, parse_averages
 from lightning_multids.engines import EngineSet
-from lightning_multids.environment import hide_zero_deprecations
+from lightning_multids.environment import hide_zero_deprecations, keep_extensions_in_environment
 from lightning_multids.gathering import Arrival, gathered
 from lightning_multids.lifecycle import (
     agree_on_failure,
@@ -143,6 +143,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """A checkpoint whose Lightning part was read before setup: setup loads the rest once the engines exist."""
         self._restore_summary: Callable[[], None] = _nothing
         self._show_zero_deprecations: Callable[[], None] = _nothing
+        self._unset_extensions_dir: Callable[[], None] = _nothing
 
     @property
     def engines(self) -> dict[str, DeepSpeedEngine]:
@@ -201,9 +202,13 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """Check DeepSpeed, point it at Lightning's accelerator, start torch.distributed as DDP does, share the group.
 
         DDP chooses the process group backend from the device (gloo on CPU, nccl on CUDA); DeepSpeed's comm
-        layer and engines then run on the same accelerator as Lightning.
+        layer and engines then run on the same accelerator as Lightning. Until :meth:`teardown`, DeepSpeed's
+        JIT-built ops go to a folder of this environment unless ``TORCH_EXTENSIONS_DIR`` is set
+        (:func:`~lightning_multids.environment.keep_extensions_in_environment`).
         """
         internals.check_deepspeed()
+        self._unset_extensions_dir()  # a start after one whose teardown did not run
+        self._unset_extensions_dir = keep_extensions_in_environment()
         ds_accelerator.follow(self.root_device.type)
         super().setup_distributed()
         deepspeed.init_distributed(dist_backend=self._process_group_backend, auto_mpi_discovery=False, verbose=False)
@@ -620,6 +625,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._restore_summary = _nothing
         self._show_zero_deprecations()
         self._show_zero_deprecations = _nothing
+        self._unset_extensions_dir()
+        self._unset_extensions_dir = _nothing
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             forget_requested(self.lightning_module.trainer)  # the dataloaders the engines were sized from
         super().teardown()  # as DDP: reverts sync_batchnorm, moves the module to the CPU

@@ -27,10 +27,12 @@ def run_ranks(
     *args: str,
     world_size: int = 2,
     timeout: float = 300.0,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
     nodes: int = 1,
 ) -> list[str]:
-    """Run ``script args`` once per rank (with extra ``env``); return each rank's output, or fail with it.
+    """Run ``script args`` once per rank (with extra ``env``, where ``None`` unsets); return each rank's output.
+
+    Fails with the ranks' output if one fails or ``timeout`` passes.
 
     With ``nodes=2`` each process is its own node (``NODE_RANK`` 0 and 1, ``LOCAL_RANK`` 0), as two
     machines would be launched, over loopback.
@@ -50,7 +52,9 @@ def run_ranks(
             PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
             OMP_NUM_THREADS="1",
         )
-        env.update(extra_env)
+        env.update({key: value for key, value in extra_env.items() if value is not None})
+        for key in [key for key, value in extra_env.items() if value is None]:
+            env.pop(key, None)
         log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the rank writing to it  # noqa: SIM115 (closed after the ranks exit)
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log, stderr=log, cwd=REPO))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import warnings
 from typing import Any
@@ -25,7 +26,7 @@ from deepspeed import DeepSpeedEngine
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.environment import ZERO_DEPRECATIONS
+from lightning_multids.environment import EXTENSIONS_VARIABLE, ZERO_DEPRECATIONS, default_extensions_dir
 from tests import patterns
 from tests.distributed.common import cpu_trainer, finish, sharded_loader
 
@@ -44,9 +45,11 @@ class Lifecycle(pl.LightningModule):
         self.test_inputs: list[torch.Tensor] = []
         self.test_outputs: list[torch.Tensor] = []
         self.filters_in_fit = 0
+        self.extensions_in_fit: str | None = None
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.filters_in_fit = zero_deprecation_filters()
+        self.extensions_in_fit = os.environ.get(EXTENSIONS_VARIABLE)
         opt_g, opt_d = self.optimizers()
         patterns.gan(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
         with torch.no_grad():
@@ -104,6 +107,7 @@ def leftovers(module: Lifecycle) -> dict[str, Any]:
         "patched": sorted(n for n, m in module.named_children() if "train" in m.__dict__),
         "live_engines": sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()),
         "warning_filters": zero_deprecation_filters(),
+        "extensions_dir": os.environ.get(EXTENSIONS_VARIABLE),
         "gathered_check_group": module._trainer is not None and module.trainer.strategy._arrival is not None,
     }
 
@@ -121,13 +125,14 @@ def strategy(generator_stage: int) -> MultiDeepSpeedStrategy:
 def main() -> None:
     out = sys.argv[1]
     module = Lifecycle()
-    results: dict[str, Any] = {"before": leftovers(module)}
+    results: dict[str, Any] = {"before": leftovers(module), "default_extensions_dir": str(default_extensions_dir())}
     for fit, stage in enumerate((0, 2)):
         trainer = cpu_trainer(strategy(stage), enable_checkpointing=False, use_distributed_sampler=False)
         trainer.fit(module)
         results[f"fit{fit}"] = leftovers(module)
         results[f"fit{fit}_engines"] = sorted(trainer.strategy.engines)
         results[f"fit{fit}_filters_in_fit"] = module.filters_in_fit
+        results[f"fit{fit}_extensions_in_fit"] = module.extensions_in_fit
         if fit == 0:
             trainer.strategy.release()
             results["released"] = leftovers(module)

@@ -24,6 +24,7 @@ NOTHING_LEFT = {
     "patched": [],
     "live_engines": 0,
     "warning_filters": 0,
+    "extensions_dir": None,  # the ranks start without TORCH_EXTENSIONS_DIR, as a user's shell
     "gathered_check_group": False,  # destroyed at teardown
 }
 
@@ -31,7 +32,7 @@ NOTHING_LEFT = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("lifecycle") / "results.pt"
-    run_ranks(Path(run_lifecycle.__file__), str(out), timeout=300)
+    run_ranks(Path(run_lifecycle.__file__), str(out), timeout=300, env={"TORCH_EXTENSIONS_DIR": None})
     return torch.load(out)
 
 
@@ -45,6 +46,12 @@ def test_teardown_removes_every_hook_and_patch_and_keeps_the_stopped_engines(res
 @pytest.mark.parametrize("after", ["released", "test", "failed", "failed_before_setup"])
 def test_release_or_the_next_setup_frees_the_engines(results: dict, after: str) -> None:
     assert results[after] == NOTHING_LEFT
+
+
+@pytest.mark.parametrize("fit", ["fit0", "fit1"])
+def test_deepspeeds_ops_are_built_in_the_environment_during_fit(results: dict, fit: str) -> None:
+    """Without ``TORCH_EXTENSIONS_DIR``, the strategy's start sets it (import does not), and teardown unsets it."""
+    assert results[f"{fit}_extensions_in_fit"] == results["default_extensions_dir"]
 
 
 @pytest.mark.parametrize("fit", ["fit0", "fit1"])

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_multids.cli import main, newest_last_checkpoint
+from lightning_multids.environment import keep_extensions_in_environment
 from lightning_multids.utilities.summary import command, shown
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,22 +60,30 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_import_keeps_torch_extensions_in_the_environment_and_drops_the_accelerator_guess() -> None:
+def test_import_sets_no_environment_variable_and_drops_the_accelerator_guess() -> None:
+    """``import lightning_multids`` leaves no global state: the extensions folder is set by the strategy's start."""
     code = (
-        "import logging, os, sys, lightning_multids; print(os.environ['TORCH_EXTENSIONS_DIR']); "
-        "print(sys.prefix); print(len(logging.getLogger('DeepSpeed').filters))"
+        "import logging, os, lightning_multids; print(os.environ.get('TORCH_EXTENSIONS_DIR')); "
+        "print(len(logging.getLogger('DeepSpeed').filters))"
     )
     result = run_python(code)
-    extensions, prefix, filters = result.stdout.splitlines()[-3:]
-    assert extensions == str(Path(prefix) / "torch_extensions")
+    extensions, filters = result.stdout.splitlines()[-2:]
+    assert extensions == "None"
     assert filters == "0", "the filter must be gone after the import"
     assert "Setting accelerator to CPU" not in result.stdout + result.stderr
 
 
-def test_a_torch_extensions_dir_set_by_the_user_wins(tmp_path: Path) -> None:
-    code = "import os, lightning_multids; print(os.environ['TORCH_EXTENSIONS_DIR'])"
-    result = run_python(code, TORCH_EXTENSIONS_DIR=str(tmp_path))
-    assert result.stdout.splitlines()[-1] == str(tmp_path)
+def test_the_extensions_folder_is_the_environments_until_undone_and_a_users_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    unset = keep_extensions_in_environment()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+    unset()
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    keep_extensions_in_environment()()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)
 
 
 def test_import_installs_no_warning_filter() -> None:
