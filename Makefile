@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml
 	$(if $(WHEELHOUSE),$(PY) -m pip download --quiet --dest $(WHEELHOUSE) "$(TORCH_SPEC)" $(TORCH_INDEX_ARG))
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE),$(TORCH_INDEX_ARG))
 	$(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.19.8,<0.20"
-	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev,examples]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -6,6 +6,8 @@ run: a venv made with the lane's Python, the lane's torch installed into it, and
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import json
 import os
 import re
@@ -18,6 +20,7 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[2]
@@ -151,3 +154,54 @@ def test_the_venv_runs_the_torch_it_installed_first() -> None:
 @pytest.mark.skipif(not os.environ.get("EXPECTED_PYTHON"), reason="set by the Makefile's lanes")
 def test_the_lane_runs_its_python() -> None:
     assert f"{sys.version_info.major}.{sys.version_info.minor}" == os.environ["EXPECTED_PYTHON"]
+
+
+def third_party_imports(folder: str) -> set[str]:
+    """The top-level modules that the Python files under ``folder`` import, beside the standard library's and ours."""
+    found = set()
+    for path in (REPO / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - {"lightning_multids", "examples", "__future__"}
+
+
+def distributions(requirements: list[str]) -> set[str]:
+    """The distributions named by ``requirements`` and those they require (one level), by normalized name."""
+    names = {canonicalize_name(Requirement(requirement).name) for requirement in requirements}
+    required = {
+        canonicalize_name(Requirement(requirement).name)
+        for name in names
+        for requirement in importlib.metadata.requires(name) or []
+        if "extra ==" not in requirement
+    }
+    return names | required
+
+
+def providers(module: str) -> set[str]:
+    """The distributions that install the top-level module ``module``."""
+    return {canonicalize_name(name) for name in importlib.metadata.packages_distributions().get(module, [module])}
+
+
+OPTIONAL_IMPORTS = {"transformers", "peft"}
+"""Imported only by the Hugging Face export, which says to install them when missing."""
+
+
+def test_runtime_dependencies_are_what_the_library_imports() -> None:
+    """The library's own imports need nothing undeclared, and it declares nothing it does not use."""
+    project = pyproject()["project"]
+    declared = {canonicalize_name(Requirement(dependency).name) for dependency in project["dependencies"]}
+    imported = third_party_imports("lightning_multids") - OPTIONAL_IMPORTS
+    for module in imported:
+        assert providers(module) & distributions(project["dependencies"]), f"{module} is imported but not declared"
+    used = set().union(*(providers(module) for module in imported)) | {"jsonargparse"}  # LightningCLI's, for `fit`
+    assert declared <= used, f"declared but not imported by the library: {declared - used}; move them to an extra"
+
+
+def test_the_examples_extra_holds_what_the_examples_import() -> None:
+    project = pyproject()["project"]
+    available = distributions(project["dependencies"] + project["optional-dependencies"]["examples"])
+    for module in third_party_imports("examples"):
+        assert providers(module) & available, f"examples/ imports {module}: add it to the `examples` extra"
