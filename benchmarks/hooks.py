@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from lightning_multids import internals, routing
+from lightning_multids import routing
+from lightning_multids._compat import deepspeed as ds_compat
 
 
 def attach_nothing() -> Callable[[], None]:
@@ -36,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     for name in ("enter_backward", "end_backward", "leave_backward"):  # DeepSpeed's side, not timed here
-        setattr(internals, name, lambda *_, **__: None)
+        setattr(ds_compat, name, lambda *_, **__: None)
     module = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(2, 2)) for _ in range(args.params)])
     params = list(module)
     engine: Any = SimpleNamespace(module=module, zero_optimization_stage=lambda: 0, inside_no_sync_ctxt=False)

@@ -43,9 +43,10 @@ from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from torch import nn
 
-from lightning_multids import huggingface, internals, loading
+from lightning_multids import huggingface, loading
+from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._compat.deepspeed import stage0_weights
 from lightning_multids.gathering import whole
-from lightning_multids.internals import stage0_weights
 
 FORMAT_KEY = "multids"
 LIGHTNING_FILE = "lightning.pt"
@@ -237,7 +238,7 @@ def load_engines(
         universal_load = bool(saved["engines"][name]["stage"]) and saved_at != world_size
         if universal_load:
             universal(engine_dir, is_global_zero=is_global_zero, barrier=barrier)
-        with internals.loading_universal(engine) if universal_load else contextlib.nullcontext():
+        with ds_compat.loading_universal(engine) if universal_load else contextlib.nullcontext():
             engine.load_checkpoint(
                 str(engine_dir),
                 tag=UNIVERSAL_TAG if universal_load else TAG,
@@ -275,7 +276,7 @@ def _saved_at(saved: Mapping[str, Any], engine_dir: Path, *, weights_only: bool)
     """The world size a checkpoint was saved at; for one saved before it was recorded, DeepSpeed's own record."""
     if "world_size" in saved:
         return int(saved["world_size"])
-    return internals.saved_world_size(engine_dir / TAG, weights_only=weights_only)
+    return ds_compat.saved_world_size(engine_dir / TAG, weights_only=weights_only)
 
 
 def _load_buffers(module: nn.Module, engine_dir: Path, *, weights_only: bool) -> None:
@@ -284,7 +285,7 @@ def _load_buffers(module: nn.Module, engine_dir: Path, *, weights_only: bool) ->
     DeepSpeed's universal checkpoint restores parameters only (from ``universal/zero/``): it skips the module
     ``state_dict``, so without this every buffer would keep its value from ``__init__``.
     """
-    saved = internals.saved_module_state(engine_dir / TAG, weights_only=weights_only)
+    saved = ds_compat.saved_module_state(engine_dir / TAG, weights_only=weights_only)
     for name, buffer in module.named_buffers():
         if name in saved:
             buffer.copy_(saved[name])
@@ -300,7 +301,7 @@ def universal(engine_dir: Path, *, is_global_zero: bool, barrier: Callable[[str]
     if is_global_zero and not target.is_dir():
         partial = engine_dir / f"{UNIVERSAL_TAG}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        internals.to_universal(engine_dir / TAG, partial)
+        ds_compat.to_universal(engine_dir / TAG, partial)
         partial.rename(target)
         (engine_dir / "latest_universal").write_text(UNIVERSAL_TAG)  # DeepSpeed's pointer named the .partial
     barrier("multids.universal")

@@ -32,9 +32,9 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 
-_REENTRANT = (torch.utils.checkpoint.CheckpointFunction, *internals.reentrant_checkpoint_functions())
+_REENTRANT = (torch.utils.checkpoint.CheckpointFunction, *ds_compat.reentrant_checkpoint_functions())
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 from deepspeed.runtime.zero.utils import is_zero_param
 from torch import nn
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids.config import merge
 from lightning_multids.gathering import whole
 
@@ -206,8 +206,8 @@ def check_averages(
 
 
 def _check_same_parameters(name: str, source: str, module: nn.Module) -> None:
-    ours = {key: internals.full_shape(p) for key, p in getattr(module, name).named_parameters()}
-    theirs = {key: internals.full_shape(p) for key, p in getattr(module, source).named_parameters()}
+    ours = {key: ds_compat.full_shape(p) for key, p in getattr(module, name).named_parameters()}
+    theirs = {key: ds_compat.full_shape(p) for key, p in getattr(module, source).named_parameters()}
     if ours != theirs:
         differ = sorted(set(ours) ^ set(theirs)) or [key for key in ours if ours[key] != theirs[key]]
         raise ValueError(
@@ -238,22 +238,22 @@ def move_towards(average: nn.Module, source: nn.Module, weight: float) -> None:
     A collective call when ``source`` is at ZeRO-3 and must be gathered (see the module's docstring).
     """
     pairs = list(zip(average.parameters(), source.parameters(), strict=True))
-    by_partition = [is_zero_param(a) and not internals.is_gathered(a) for a, _ in pairs]
+    by_partition = [is_zero_param(a) and not ds_compat.is_gathered(a) for a, _ in pairs]
     from_partition = [
-        local and is_zero_param(s) and internals.same_partitioning(a, s)
+        local and is_zero_param(s) and ds_compat.same_partitioning(a, s)
         for (a, s), local in zip(pairs, by_partition, strict=True)
     ]
     gather = [s for (_, s), direct in zip(pairs, from_partition, strict=True) if is_zero_param(s) and not direct]
     with whole(gather):  # the same list on every rank: ZeRO-3 gathers and releases alike on every rank
         for (a, s), local, direct in zip(pairs, by_partition, from_partition, strict=True):
             if local:
-                part, start = internals.partition(a)
-                values = internals.partition(s)[0] if direct else s.data.view(-1)[start : start + part.numel()]
+                part, start = ds_compat.partition(a)
+                values = ds_compat.partition(s)[0] if direct else s.data.view(-1)[start : start + part.numel()]
                 part.lerp_(values.to(device=part.device, dtype=part.dtype), weight)
                 continue
             a.data.lerp_(s.data.to(a.dtype), weight)
             if is_zero_param(a):  # whole now and partitioned beside: the partition gets the same values
-                part, start = internals.partition(a)
+                part, start = ds_compat.partition(a)
                 part.copy_(a.data.view(-1)[start : start + part.numel()])
     for mine, theirs in zip(average.buffers(), source.buffers(), strict=True):
         mine.copy_(theirs)

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids.config import merge
 from lightning_multids.discovery import UNWALKED, reached_engines
 from lightning_multids.ema import Averager
@@ -80,7 +80,7 @@ class EngineSet:
             return
         for optimizer in self.optimizers:
             if "gradient_clipping" not in merge(default, overrides.get(optimizer.name, {})):
-                internals.set_gradient_clipping(optimizer.engine, float(clip))
+                ds_compat.set_gradient_clipping(optimizer.engine, float(clip))
 
     @property
     def trainable_engines(self) -> dict[str, DeepSpeedEngine]:
@@ -92,7 +92,7 @@ class EngineSet:
         trained = {optimizer.name for optimizer in self.optimizers}
         for name, engine in self.engines.items():
             if name not in trained and engine.zero_optimization_stage() == 3:
-                internals.release_after_backward(engine)
+                ds_compat.release_after_backward(engine)
 
     def clear_gradients(self) -> None:
         """Clear every trainable engine's gradients, as ``opt.zero_grad()`` on each would."""
@@ -108,7 +108,7 @@ class EngineSet:
                 f"during fit: {sorted(o.name for o in self.optimizers)}."
             )
         engine = trainable[name]
-        if internals.in_no_sync(engine) and engine.zero_optimization_partition_gradients():
+        if ds_compat.in_no_sync(engine) and engine.zero_optimization_partition_gradients():
             stage = engine.zero_optimization_stage()
             raise RuntimeError(
                 f"`full_gradients({name!r})` inside `strategy.no_sync(...)`: the ZeRO-{stage} "
@@ -142,7 +142,7 @@ class EngineSet:
                 self._refuse_untrained()
             loss = loss.detach() + torch.zeros((), device=loss.device, requires_grad=True)  # agree with the others
         trainable = self.trainable_engines
-        scales = {name: internals.loss_scale(engine) for name, engine in trainable.items()}
+        scales = {name: ds_compat.loss_scale(engine) for name, engine in trainable.items()}
         factors: dict[str, float] = {}
         if len(set(scales.values())) == 1:  # bf16/fp32, or fp16 at one scale: the loss's reach does not matter
             reach, scale = UNWALKED, next(iter(scales.values()))
@@ -217,7 +217,7 @@ class EngineSet:
                 f"`{what}` got {unknown}, which are not trainable engines{reason}. Choose from {trainable}."
             )
         chosen = {name: self.engines[name] for name in names or trainable}
-        nested = [name for name, engine in chosen.items() if internals.in_no_sync(engine)]
+        nested = [name for name, engine in chosen.items() if ds_compat.in_no_sync(engine)]
         if nested:
             raise RuntimeError(f"`{what}`: the engines {nested} are already inside `no_sync`; don't nest the blocks.")
         return chosen

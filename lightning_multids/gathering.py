@@ -21,7 +21,7 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import is_zero_param
 from torch import nn
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids.optimizer import EngineOptimizer
 
 
@@ -102,7 +102,7 @@ def gathered(
         optimizer.inside = f"strategy.gathered({name!r})"
     try:
         with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
-            restore = internals.suspend_zero3_hooks(engine) if params else None
+            restore = ds_compat.suspend_zero3_hooks(engine) if params else None
             try:
                 yield engine.module
             finally:
@@ -121,5 +121,5 @@ def whole(params: Iterable[nn.Parameter]) -> AbstractContextManager:
     ("Nested GatheredParameters contexts cannot overlap"); they are read as they are. So are the small ones ZeRO-3
     keeps whole between forwards. Every rank is in the same blocks, so every rank gathers the same list.
     """
-    partitioned = [param for param in params if is_zero_param(param) and not internals.is_gathered(param)]
+    partitioned = [param for param in params if is_zero_param(param) and not ds_compat.is_gathered(param)]
     return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None, enabled=bool(partitioned))

@@ -1,7 +1,7 @@
 """Gradient state between a backward and ``step()``: kept local (``no_sync``), and read whole.
 
 Clearing and resetting an engine's gradients touch DeepSpeed's internals, so they live in
-:mod:`lightning_multids.internals` (``clear_gradients``, ``abandon_backward``, ``abandon_step``).
+:mod:`lightning_multids._compat.deepspeed` (``clear_gradients``, ``abandon_backward``, ``abandon_step``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 from deepspeed import DeepSpeedEngine
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 
 
 @contextmanager
@@ -22,7 +22,7 @@ def no_sync(engines: Mapping[str, DeepSpeedEngine]) -> Iterator[None]:
     Under this strategy (``engine.step()`` is the accumulation boundary) stages 0 and 1 reduce only in
     ``step()``, so several backwards already cost one reduction; stages 2 and 3 reduce (reduce-scatter)
     during every backward. Inside the block, ZeRO-2/3 engines instead accumulate whole gradients in
-    ``param.grad`` (:func:`~lightning_multids.internals.start_no_sync`), and on exit every rank reduces them
+    ``param.grad`` (:func:`~lightning_multids._compat.deepspeed.start_no_sync`), and on exit every rank reduces them
     once, in the same order, into the partitions, where they add to whatever earlier backwards of this step
     reduced. ``engine.step()`` refuses to run inside the block.
 
@@ -30,17 +30,17 @@ def no_sync(engines: Mapping[str, DeepSpeedEngine]) -> Iterator[None]:
     got here would leave the others waiting.
     """
     for engine in engines.values():
-        internals.start_no_sync(engine)
+        ds_compat.start_no_sync(engine)
     try:
         yield
     except BaseException:
         for engine in engines.values():
-            internals.stop_no_sync(engine)
-            internals.clear_gradients(engine)
+            ds_compat.stop_no_sync(engine)
+            ds_compat.clear_gradients(engine)
         raise
     for name in sorted(engines):  # the same collective order on every rank
-        internals.stop_no_sync(engines[name])
-        internals.reduce_local_gradients(engines[name])
+        ds_compat.stop_no_sync(engines[name])
+        ds_compat.reduce_local_gradients(engines[name])
 
 
 def full_gradients(engine: DeepSpeedEngine, name: str, present: bool = True) -> dict[str, torch.Tensor]:
@@ -56,17 +56,17 @@ def full_gradients(engine: DeepSpeedEngine, name: str, present: bool = True) -> 
     params = {key: param for key, param in engine.module.named_parameters() if param.requires_grad}
     if not present:
         return {
-            key: torch.zeros(internals.full_shape(param), dtype=torch.float32, device=param.device)
+            key: torch.zeros(ds_compat.full_shape(param), dtype=torch.float32, device=param.device)
             for key, param in params.items()
         }
     if engine.zero_optimization_partition_gradients():
-        grads = internals.gathered_gradients(engine, name, params)
+        grads = ds_compat.gathered_gradients(engine, name, params)
     else:
-        grads = {key: internals.local_gradient(param) for key, param in params.items()}
+        grads = {key: ds_compat.local_gradient(param) for key, param in params.items()}
         for grad in grads.values():
             torch.distributed.all_reduce(grad)
             grad /= torch.distributed.get_world_size()
-    scale = internals.loss_scale(engine)
+    scale = ds_compat.loss_scale(engine)
     return {
-        key: grad.detach().float().reshape(internals.full_shape(params[key])) / scale for key, grad in grads.items()
+        key: grad.detach().float().reshape(ds_compat.full_shape(params[key])) / scale for key, grad in grads.items()
     }

@@ -8,7 +8,7 @@ Setup (:func:`build_engines`, fit; :func:`build_evaluation_engines`, validate/te
    refusal of ``engine(x)``) and, for a trainable engine, the router's gradient hooks.
 
 Teardown (:func:`release_engines`) undoes 3 in reverse for every engine: the strategy's hooks, the frozen
-engine's ``train`` patch, then the engine itself (:func:`~lightning_multids.internals.release_engine`).
+engine's ``train`` patch, then the engine itself (:func:`~lightning_multids._compat.deepspeed.release_engine`).
 No collective runs there, so it is safe after an exception on one rank.
 
 An engine is keyed by the attribute name of its submodule on the LightningModule (``"generator"``).
@@ -34,7 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids.config import engine_config, frozen_config, merge, sized_buckets, zero_stage
 from lightning_multids.data import per_process_batch_size, train_loaders
 from lightning_multids.ema import Average, build_averager, check_averages
@@ -144,7 +144,7 @@ def _build_trainable(
     for name in plan.from_config:
         trainable = [p for p in getattr(module, name).parameters() if p.requires_grad]
         engine = build_engine(getattr(module, name), sized_buckets(configs[name], whole_numel(trainable)))
-        _add_trainable(result, name, engine, internals.torch_optimizer(engine), [trainable])
+        _add_trainable(result, name, engine, ds_compat.torch_optimizer(engine), [trainable])
         if engine.lr_scheduler is not None:
             result.scheduler_configs.append(config_scheduler(name, engine, plan.manual))
     for optimizer in result.optimizers:
@@ -159,15 +159,15 @@ def whole_numel(params: Iterable[nn.Parameter]) -> int:
 
 
 def _add_frozen(result: EngineSet, name: str, engine: DeepSpeedEngine) -> None:
-    internals.check_engine(name, engine)
+    ds_compat.check_engine(name, engine)
     result.add(name, engine, attach(name, engine))
 
 
 def _add_trainable(
     result: EngineSet, name: str, engine: DeepSpeedEngine, optimizer: Optimizer, params: list[list[nn.Parameter]]
 ) -> None:
-    internals.check_engine(name, engine)
-    internals.undo_initial_step(engine)
+    ds_compat.check_engine(name, engine)
+    ds_compat.undo_initial_step(engine)
     handles = attach(name, engine) + result.router.watch(name, engine)
     result.add_trainable(name, engine, optimizer, params, handles)
 
@@ -222,7 +222,7 @@ def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
 def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:
     """Undo :func:`attach`, the router's hooks (in ``handles``) and the frozen eval patch; release the engine.
 
-    The engine goes through :func:`~lightning_multids.internals.release_engine`.
+    The engine goes through :func:`~lightning_multids._compat.deepspeed.release_engine`.
 
     A ZeRO-3 submodule stays partitioned:
     ``deepspeed.zero.GatheredParameters`` reads it, and the next fit or evaluation builds an engine on it.
@@ -231,7 +231,7 @@ def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
     engine.module.__dict__.pop("train", None)
-    internals.release_engine(engine)
+    ds_compat.release_engine(engine)
     if engine_dtype(engine) != torch.float32 and not is_partitioned(engine.module):
         # Without the input cast, a bf16/fp16 module would fail on fp32 inputs outside fit. Back in fp32 it runs
         # as under DDP with mixed precision; a ZeRO-3 one gets an engine (and its cast) again when evaluated.

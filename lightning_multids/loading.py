@@ -10,7 +10,7 @@ module carries it to every file of a checkpoint directory (:mod:`lightning_multi
 * DeepSpeed's reads (``engine.load_checkpoint``, its universal conversion, ``zero_to_fp32``) pass
   ``weights_only=False`` themselves; inside :func:`reading`, torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` makes
   them restricted too, with the few DeepSpeed classes that its optimizer states hold allowed
-  (:func:`lightning_multids.internals.checkpoint_globals`, one list);
+  (:func:`lightning_multids._compat.deepspeed.checkpoint_globals`, one list);
 * before anything loads, :func:`reading` looks at the pickle of every ``.pt`` file in the checkpoint (not
   their tensors, nor unfinished ``*.partial`` folders) on every rank, so a refused checkpoint fails before any
   engine loads, on every rank alike, with an error naming the file.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 
 FORCE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 FORCE_NOT = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
@@ -73,7 +73,7 @@ def reading(
     if _inside or not restricted(weights_only):
         yield
         return
-    with torch.serialization.safe_globals(internals.checkpoint_globals()), _forcing():
+    with torch.serialization.safe_globals(ds_compat.checkpoint_globals()), _forcing():
         for file in _loadable(checkpoint) if look else []:
             _refuse_unsafe(file, opt_out)
         _inside = True

@@ -8,7 +8,7 @@ import torch
 from deepspeed import DeepSpeedEngine
 from torch.utils.hooks import RemovableHandle
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.torch import foreach_norms
 
 
@@ -21,12 +21,12 @@ def skip_nonfinite_steps(engine: DeepSpeedEngine) -> RemovableHandle | None:
 
     The check runs on the gradients after the reduction, where every rank sees the same verdict, so it
     costs no collective of its own. DeepSpeed's optimizers check already, or are made to
-    (:func:`~lightning_multids.internals.ensure_nonfinite_check`), and skip the step (``engine.skipped_steps``
+    (:func:`~lightning_multids._compat.deepspeed.ensure_nonfinite_check`), and skip the step (``engine.skipped_steps``
     grows). A plain torch optimizer (stage 0, fp32) checks nothing: a step pre-hook on it raises
     :class:`NonFiniteGradients` before it updates anything (the reduced gradients are the same on every rank
     at stage 0, so every rank raises); its handle is returned, for teardown.
     """
-    if internals.ensure_nonfinite_check(engine) or not isinstance(engine.optimizer, torch.optim.Optimizer):
+    if ds_compat.ensure_nonfinite_check(engine) or not isinstance(engine.optimizer, torch.optim.Optimizer):
         return None
     return engine.optimizer.register_step_pre_hook(_refuse_nonfinite)
 

@@ -22,7 +22,7 @@ from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids.optimizer import EngineOptimizer
 
 
@@ -71,7 +71,7 @@ def _check_supported(name: str, engine: DeepSpeedEngine) -> None:
         problem = "it is at ZeRO-0, whose optimizer DeepSpeed cannot move; give it stage 1, 2 or 3"
     elif offload_param is not None and offload_param.device != OffloadDeviceEnum.none:
         problem = "its parameters are offloaded already (`offload_param`), which DeepSpeed refuses to combine"
-    elif stage == 3 and not isinstance(internals.torch_optimizer(engine), FusedAdam):
+    elif stage == 3 and not isinstance(ds_compat.torch_optimizer(engine), FusedAdam):
         problem = (
             "it is at ZeRO-3, where DeepSpeed moves optimizer states only of its own FusedAdam (a CUDA op: "
             "`deepspeed.ops.adam.FusedAdam` in `configure_optimizers`, or an `optimizer` section in its config); "

@@ -12,7 +12,7 @@ from deepspeed import DeepSpeedEngine
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.torch import step_hooks_or_profiler, step_post_hooks
 from lightning_multids.nonfinite import NonFiniteGradients, skip_nonfinite_steps
 
@@ -156,7 +156,7 @@ class EngineOptimizer(Optimizer):
 
         (Read through the engine: ``self.optimizer`` is Lightning's own attribute on its ``LightningOptimizer``.)
         """
-        return self.engine is not None and self.engine.optimizer is internals.torch_optimizer(self.engine)
+        return self.engine is not None and self.engine.optimizer is ds_compat.torch_optimizer(self.engine)
 
     def _no_torch_state(self, call: str, verb: str, helper: str) -> str:
         stage = self.engine.zero_optimization_stage() if self.engine is not None else 0
@@ -205,7 +205,7 @@ class EngineOptimizer(Optimizer):
                 f"`opt.step()` of engine {self.name!r} inside `{self.inside}`, where the engine cannot step (its "
                 "states are off the device, or its weights whole outside ZeRO-3). Call `opt.step()` after the block."
             )
-        if internals.in_no_sync(self.engine):
+        if ds_compat.in_no_sync(self.engine):
             raise RuntimeError(
                 f"`opt.step()` of engine {self.name!r} inside `strategy.no_sync(...)`: its gradients are not reduced "
                 "until the block ends. Call `opt.step()` after the `with` block."
@@ -220,14 +220,14 @@ class EngineOptimizer(Optimizer):
             returned = True
             applied = self.engine.skipped_steps == skipped
         except NonFiniteGradients:  # stage 0, fp32: raised before the torch optimizer changed anything
-            internals.abandon_step(self.engine)  # raised inside engine.step(): end its boundary
+            ds_compat.abandon_step(self.engine)  # raised inside engine.step(): end its boundary
             applied = False
         except BaseException:
-            internals.abandon_step(self.engine)
+            ds_compat.abandon_step(self.engine)
             raise
         finally:
             if returned:  # engine.step() cleared the gradients, applied or skipped, all but what it leaves
-                internals.clear_after_step(self.engine)
+                ds_compat.clear_after_step(self.engine)
                 self._forget_gradients()
             else:  # gradients it had half processed (out of memory in the optimizer), or a refused step
                 self.zero_grad()
@@ -273,7 +273,7 @@ class EngineOptimizer(Optimizer):
         """
         if self._state.configured_clipping is None:
             self._state.configured_clipping = float(self.engine.gradient_clipping())
-        internals.set_gradient_clipping(self.engine, max_norm)
+        ds_compat.set_gradient_clipping(self.engine, max_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this engine's gradients, local and already reduced, and forget a pending :meth:`clip_next_step`.
@@ -282,14 +282,14 @@ class EngineOptimizer(Optimizer):
         without one since the last clear there is nothing to clear.
         """
         if self.has_gradients:
-            internals.clear_gradients(self.engine)
+            ds_compat.clear_gradients(self.engine)
         self._forget_gradients()
 
     def _forget_gradients(self) -> None:
         """After the gradients were cleared: none until the next backward, and no pending :meth:`clip_next_step`."""
         self.has_gradients = False
         if self._state.configured_clipping is not None:  # clipping was for the gradients just cleared
-            internals.set_gradient_clipping(self.engine, self._state.configured_clipping)
+            ds_compat.set_gradient_clipping(self.engine, self._state.configured_clipping)
             self._state.configured_clipping = None
 
     def release(self) -> None:

@@ -85,7 +85,7 @@ def loss_scaling(scales: Mapping[str, float]) -> tuple[float, dict[str, float]]:
     """How to scale one loss that reaches engines at loss ``scales``: the loss factor, and a gradient factor each.
 
     Each fp16 engine's optimizer divides its gradients by its own dynamic loss scale in ``step()``; bf16
-    and fp32 engines divide by nothing (scale 1, :func:`~lightning_multids.internals.loss_scale`). The loss is
+    and fp32 engines divide by nothing (scale 1, :func:`~lightning_multids._compat.deepspeed.loss_scale`). The loss is
     multiplied by the smallest scale above 1, S (so no engine's backward runs at a larger scale than its own
     scaler allows), and each engine's gradients by ``its scale / S`` as they arrive (the router's gradient
     hook), so every engine sees its gradients at its own scale. Engines at S are left out of the factors.

@@ -28,7 +28,7 @@ not grow with its size; only a loss scale that depends on which engines the loss
 different scales) needs the walk of :mod:`lightning_multids.discovery`, whose engines are then entered first.
 Marking each engine as "inside engine.backward" tells DeepSpeed's own post-backward callback to leave
 the epilogue to us, exactly as ``DeepSpeedEngine.backward`` does for itself.
-The DeepSpeed calls themselves (prologue, epilogue, the marks) are in :mod:`lightning_multids.internals`.
+The DeepSpeed calls themselves (prologue, epilogue, the marks) are in :mod:`lightning_multids._compat.deepspeed`.
 What still comes from DeepSpeed's hooks: the ZeRO per-parameter gradient hooks (bucketing and
 reduce-scatter at stage 2/3) and the ZeRO-3 module hooks that gather and release parameters.
 """
@@ -43,7 +43,7 @@ import torch
 from deepspeed import DeepSpeedEngine
 from torch.utils.hooks import RemovableHandle
 
-from lightning_multids import internals
+from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.torch import accumulates_into, current_graph_task_id, queue_callback
 from lightning_multids.discovery import UNWALKED, Reach
 
@@ -83,9 +83,9 @@ class Route:
     root_task: int = -1
 
     def enter(self, name: str) -> _Phases:
-        """Run ``name``'s prologue and mark it as inside a backward (``internals.enter_backward``)."""
+        """Run ``name``'s prologue and mark it as inside a backward (``ds_compat.enter_backward``)."""
         phases = self.entered[name] = _Phases()
-        internals.enter_backward(self.engines[name])
+        ds_compat.enter_backward(self.engines[name])
         return phases
 
     def finish(self) -> None:
@@ -105,8 +105,8 @@ class Route:
                 self._even_out(name, engine, phases)
                 continue
             nothing_left = bool(phases.ended) and not phases.pending
-            stage2_done = nothing_left and engine.zero_optimization_stage() == 2 and not internals.in_no_sync(engine)
-            internals.end_backward(engine, reduce=not stage2_done)
+            stage2_done = nothing_left and engine.zero_optimization_stage() == 2 and not ds_compat.in_no_sync(engine)
+            ds_compat.end_backward(engine, reduce=not stage2_done)
 
     def _even_out(self, name: str, engine: DeepSpeedEngine, phases: _Phases) -> None:
         """End the backward of an engine whose reach differs between ranks, as DDP does: zeros where unreached.
@@ -116,24 +116,24 @@ class Route:
         ZeRO-2/3 the buckets, filled in the order the gradients arrived on each rank, are emptied back into the
         gradients, which are then reduced in the engine's own parameter order, with DeepSpeed's flush.
         """
-        if not engine.zero_optimization_partition_gradients() or internals.in_no_sync(engine):
-            internals.fill_missing_gradients(engine)
-            internals.end_backward(engine)
+        if not engine.zero_optimization_partition_gradients() or ds_compat.in_no_sync(engine):
+            ds_compat.fill_missing_gradients(engine)
+            ds_compat.end_backward(engine)
             return
-        internals.take_back_bucketed_gradients(engine)
-        internals.fill_missing_gradients(engine)
-        internals.end_backward(engine, reduce=False)
-        internals.reduce_local_gradients(engine)
+        ds_compat.take_back_bucketed_gradients(engine)
+        ds_compat.fill_missing_gradients(engine)
+        ds_compat.end_backward(engine, reduce=False)
+        ds_compat.reduce_local_gradients(engine)
 
     def abandon(self) -> None:
         """After an exception: reset every entered engine and drop its gradients of this step (no collective)."""
         for name in sorted(self.entered):
-            internals.abandon_backward(self.engines[name])
+            ds_compat.abandon_backward(self.engines[name])
 
     def leave(self) -> None:
         """Take every entered engine out of the backward, whether or not it completed."""
         for name in self.entered:
-            internals.leave_backward(self.engines[name])
+            ds_compat.leave_backward(self.engines[name])
 
 
 class Router:
@@ -223,7 +223,7 @@ class Router:
 
         On an exception (a CUDA out-of-memory error that the caller may catch and go on from) no epilogue
         runs, since it would reduce on this rank alone: every entered engine is reset and drops its gradients
-        of this step (:func:`~lightning_multids.internals.abandon_backward`), and leaves the backward.
+        of this step (:func:`~lightning_multids._compat.deepspeed.abandon_backward`), and leaves the backward.
         """
         route = Route(engines, factors or {}, self.sizes)
 
@@ -287,12 +287,12 @@ def _end_phase(engine: DeepSpeedEngine, phases: _Phases) -> None:
     still on the backward stack, which the outer backward needs. At stage 0/1 a backward only
     accumulates locally, so a gradient arriving twice needs nothing.
     """
-    if not phases.pending or internals.in_no_sync(engine):  # no_sync: the gradients accumulate locally
+    if not phases.pending or ds_compat.in_no_sync(engine):  # no_sync: the gradients accumulate locally
         return
     phases.pending = False
     if engine.zero_optimization_partition_gradients():
         phases.reduced = True
-        internals.reduce_phase(engine)
+        ds_compat.reduce_phase(engine)
 
 
 def agree(route: Route) -> set[str]:
@@ -315,7 +315,7 @@ def agree(route: Route) -> set[str]:
     local: list[int] = []
     for name in names:
         phases = route.entered.get(name)
-        reduced = int(phases is not None and (phases.reduced or internals.reduced_during_backward(route.engines[name])))
+        reduced = int(phases is not None and (phases.reduced or ds_compat.reduced_during_backward(route.engines[name])))
         order = [phases.arrived.get(index, 0) if phases else 0 for index in range(route.sizes.get(name, 0))]
         local += [int(phases is not None), reduced, *order]
     device = next(iter(route.engines.values())).device

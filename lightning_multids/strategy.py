@@ -28,7 +28,8 @@ from typing_extensions import override
 
 from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
-from lightning_multids import gradients, internals, loading
+from lightning_multids import gradients, loading
+from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids.config import load_config, validate_stage, zero3_init_config
 from lightning_multids.data import forget_requested
 from lightning_multids.discovery import check_engine_names
@@ -206,7 +207,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         JIT-built ops go to a folder of this environment unless ``TORCH_EXTENSIONS_DIR`` is set
         (:func:`~lightning_multids.environment.keep_extensions_in_environment`).
         """
-        internals.check_deepspeed()
+        ds_compat.check_deepspeed()
         self._unset_extensions_dir()  # a start after one whose teardown did not run
         self._unset_extensions_dir = keep_extensions_in_environment()
         ds_accelerator.follow(self.root_device.type)

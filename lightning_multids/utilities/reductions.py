@@ -2,7 +2,7 @@
 
 A training step that means to reduce once per engine (inside ``strategy.no_sync``, or GradCache) can be
 checked with :class:`ReductionCounter`. It patches DeepSpeed's reduction method per engine while active
-(which method: :func:`lightning_multids.internals.reduction_call`).
+(which method: :func:`lightning_multids._compat.deepspeed.reduction_call`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from deepspeed import DeepSpeedEngine
 
-from lightning_multids.internals import reduction_call
+from lightning_multids._compat.deepspeed import reduction_call
 
 
 class ReductionCounter:

@@ -56,9 +56,9 @@ def test_resume_with_weights_only_true_is_bitwise_exact(tmp_path: Path) -> None:
     """``fit(ckpt_path=..., weights_only=True)`` at ZeRO 0-3 beside a frozen ZeRO-3 teacher and an EMA student.
 
     Every file the strategy and DeepSpeed write loads with ``torch.load(weights_only=True)``, allowing only the
-    DeepSpeed classes that :func:`~lightning_multids.internals.checkpoint_globals` lists.
+    DeepSpeed classes that :func:`~lightning_multids._compat.deepspeed.checkpoint_globals` lists.
     """
-    from lightning_multids.internals import checkpoint_globals
+    from lightning_multids._compat.deepspeed import checkpoint_globals
 
     out = tmp_path / "resume.pt"
     run_ranks(RESUME, str(out), "distill", "0", "1", "2", "3", "--ema", "--weights-only", timeout=600)

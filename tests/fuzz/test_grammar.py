@@ -113,7 +113,7 @@ def record(error_type: str, message: str, innermost: str) -> dict:
             "documented",
         ),
         (record("KeyError", "0", "/x/deepspeed/runtime/zero/stage_1_and_2.py:1:f"), "undocumented"),
-        (record("AssertionError", "", "/x/lightning_multids/internals.py:1:f"), "undocumented"),
+        (record("AssertionError", "", "/x/lightning_multids/_compat/deepspeed.py:1:f"), "undocumented"),
     ],
 )
 def test_errors_are_documented_only_when_the_strategy_raised_its_own_message(error: dict, kind: str) -> None:

@@ -18,8 +18,9 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_multids import MultiDeepSpeedStrategy, internals
-from lightning_multids.internals import UnsupportedDeepSpeed
+from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._compat.deepspeed import UnsupportedDeepSpeed
 from lightning_multids.optimizer import EngineOptimizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,9 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_deepspeed_outside_the_supported_range_is_refused() -> None:
     for version in ("0.20.0", "0.19.7", "0.18.3"):
         with pytest.raises(UnsupportedDeepSpeed, match=rf">=0.19.8,<0.20; this is DeepSpeed {version}.*pip install"):
-            internals.check_deepspeed(version)
-    internals.check_deepspeed("0.19.9+cu121")  # a local build of a supported release
-    internals.check_deepspeed()  # the installed one
+            ds_compat.check_deepspeed(version)
+    ds_compat.check_deepspeed("0.19.9+cu121")  # a local build of a supported release
+    ds_compat.check_deepspeed()  # the installed one
 
 
 def test_setup_refuses_an_unsupported_deepspeed_first(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,19 +43,19 @@ def test_setup_refuses_an_unsupported_deepspeed_first(monkeypatch: pytest.Monkey
 def test_a_deepspeed_without_a_method_used_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(DeepSpeedEngine, "_backward_prologue")
     with pytest.raises(UnsupportedDeepSpeed, match=r"`DeepSpeedEngine._backward_prologue`.*>=0.19.8,<0.20"):
-        internals.check_deepspeed()
+        ds_compat.check_deepspeed()
 
 
 def test_an_engine_without_an_attribute_used_is_refused() -> None:
-    engine = SimpleNamespace(**dict.fromkeys(internals._ENGINE_ATTRIBUTES), optimizer=None)
-    internals.check_engine("generator", engine)  # type: ignore[arg-type]
+    engine = SimpleNamespace(**dict.fromkeys(ds_compat._ENGINE_ATTRIBUTES), optimizer=None)
+    ds_compat.check_engine("generator", engine)  # type: ignore[arg-type]
     del engine.inside_no_sync_ctxt
     with pytest.raises(UnsupportedDeepSpeed, match=r"`DeepSpeedEngine.inside_no_sync_ctxt` \(engine 'generator'\)"):
-        internals.check_engine("generator", engine)  # type: ignore[arg-type]
+        ds_compat.check_engine("generator", engine)  # type: ignore[arg-type]
     engine.inside_no_sync_ctxt = False
     engine.optimizer = object.__new__(DeepSpeedZeroOptimizer)  # none of its instance attributes
     with pytest.raises(UnsupportedDeepSpeed, match=r"`DeepSpeedZeroOptimizer.ipg_buckets` \(engine 'generator'\)"):
-        internals.check_engine("generator", engine)  # type: ignore[arg-type]
+        ds_compat.check_engine("generator", engine)  # type: ignore[arg-type]
 
 
 def test_without_deepspeed_the_import_says_how_to_install_it() -> None:

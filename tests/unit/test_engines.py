@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_multids._compat.deepspeed import loss_scale
 from lightning_multids.discovery import check_engine_names, match_optimizers, parameter_owners, reached_engines
 from lightning_multids.engines import EngineSet
-from lightning_multids.internals import loss_scale
 from lightning_multids.optimizer import EngineScheduler, _GroupView
 from lightning_multids.precision import loss_scaling
 from tests import patterns

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_multids import internals, loading
+from lightning_multids import loading
+from lightning_multids._compat import deepspeed as ds_compat
 from tests.poison import poison
 
 
@@ -64,7 +65,7 @@ def test_deepspeed_own_classes_load_restricted(checkpoint: Path) -> None:
         "ZeroStageEnum",
         "fragment_address",
     ]
-    assert len(internals.checkpoint_globals()) == 4
+    assert len(ds_compat.checkpoint_globals()) == 4
 
 
 @pytest.mark.parametrize("weights_only", [None, True])
