@@ -3,40 +3,24 @@
 DeepSpeed insists on ``train_micro_batch_size_per_gpu`` in every engine config, so the strategy needs the
 per-process batch size before the engines exist, while Lightning requests the training dataloaders only
 later, when its fit loop starts. :func:`train_loaders` requests them at setup exactly as Lightning would
-(inside ``_request_dataloader``, which records their arguments for re-instantiation) and hands the same
-objects to the fit loop's first request, so ``train_dataloader()`` runs once per fit, as under DDP.
+(:func:`~lightning_multids._compat.lightning.request_train_loaders`, which records their arguments for
+re-instantiation) and hands the same objects to the fit loop's first request, so ``train_dataloader()`` runs
+once per fit, as under DDP.
 Reloads (``reload_dataloaders_every_n_epochs``) ask the source again, as Lightning does; teardown puts
 the plain source back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource, _request_dataloader
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch.utils.data import DataLoader
 
+from lightning_multids._compat.lightning import forget_requested, request_train_loaders
 
-@dataclass
-class _Requested(_DataLoaderSource):
-    """A training dataloader source whose next request returns dataloaders already requested from it."""
-
-    loaders: Any = None
-
-    def dataloader(self) -> Any:
-        loaders, self.loaders = self.loaders, None
-        if loaders is None or _resumed(self.instance):
-            return super().dataloader()
-        return loaders
-
-
-def _resumed(instance: Any) -> bool:
-    """Whether this fit restored a checkpoint (Lightning restores after the strategy's setup)."""
-    trainer = instance._trainer if isinstance(instance, pl.LightningModule) else getattr(instance, "trainer", None)
-    return trainer is not None and trainer.ckpt_path is not None
+__all__ = ["forget_requested", "per_process_batch_size", "train_loaders"]
 
 
 def train_loaders(trainer: pl.Trainer) -> Any | None:
@@ -46,20 +30,7 @@ def train_loaders(trainer: pl.Trainer) -> Any | None:
     DDP: a ``train_dataloader`` may depend on restored state (the epoch, a datamodule's ``load_state_dict``),
     so ``train_dataloader()`` runs twice then.
     """
-    source = forget_requested(trainer)
-    if not source.is_defined():
-        return None
-    loaders = _request_dataloader(source)
-    trainer.fit_loop._data_source = _Requested(source.instance, source.name, loaders)
-    return loaders
-
-
-def forget_requested(trainer: pl.Trainer) -> _DataLoaderSource:
-    """Put the fit loop's plain source back, dropping dataloaders a failed or ended fit did not use."""
-    source = trainer.fit_loop._data_source
-    if isinstance(source, _Requested):
-        source = trainer.fit_loop._data_source = _DataLoaderSource(source.instance, source.name)
-    return source
+    return request_train_loaders(trainer)
 
 
 def per_process_batch_size(loaders: Any) -> int | None:

@@ -29,12 +29,12 @@ import lightning.pytorch as pl
 import torch
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import is_zero_param
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._compat.lightning import sync_module_states
 from lightning_multids.config import engine_config, frozen_config, merge, sized_buckets, zero_stage
 from lightning_multids.data import per_process_batch_size, train_loaders
 from lightning_multids.ema import Average, build_averager, check_averages
@@ -154,8 +154,7 @@ def _build_trainable(
 
 def whole_numel(params: Iterable[nn.Parameter]) -> int:
     """The elements of ``params``, whole (a ZeRO-3 parameter built partitioned counts in full)."""
-    whole = [param.ds_numel if is_zero_param(param) else param.numel() for param in params]  # type: ignore[attr-defined]
-    return int(sum(whole))
+    return sum(ds_compat.whole_numel(param) for param in params)
 
 
 def _add_frozen(result: EngineSet, name: str, engine: DeepSpeedEngine) -> None:
@@ -343,12 +342,12 @@ def unpartition(module: nn.Module) -> None:
     whole: dict[nn.Parameter, nn.Parameter] = {}
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
         for child in module.modules():
-            for name, param in list(child._parameters.items()):
-                if param is not None and is_zero_param(param):
+            for name, param in list(child.named_parameters(recurse=False, remove_duplicate=False)):
+                if is_zero_param(param):
                     if param not in whole:
                         data = param.data.to(dtype) if param.is_floating_point() else param.data
                         whole[param] = nn.Parameter(data.clone(), requires_grad=param.requires_grad)
-                    child._parameters[name] = whole[param]
+                    setattr(child, name, whole[param])
 
 
 def sync_replicated_states(module: nn.Module) -> None:
@@ -359,4 +358,4 @@ def sync_replicated_states(module: nn.Module) -> None:
     nothing: each rank keeps its own partition.
     """
     if torch.distributed.is_initialized():
-        _sync_module_states(module)
+        sync_module_states(module)

@@ -14,16 +14,20 @@ from collections.abc import Callable, Iterable, Mapping
 
 import lightning.pytorch as pl
 from deepspeed import DeepSpeedEngine
-from deepspeed.runtime.zero.partition_parameters import is_zero_param
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.model_summary import DeepSpeedSummary
 from torch import nn
 from typing_extensions import override
 
+from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._compat.lightning import (
+    replace_summary,
+    restore_summary,
+    summary_depth,
+    summary_layers,
+    summary_model,
+)
 from lightning_multids.lifecycle import whole_numel
-
-_SUMMARY_METHOD = "_summary"
-"""``ModelSummary._summary(trainer, pl_module)``, which picks the summary class (Lightning 2.6)."""
 
 
 class PartitionedSummary(DeepSpeedSummary):
@@ -36,27 +40,26 @@ class PartitionedSummary(DeepSpeedSummary):
     @property
     @override
     def param_nums(self) -> list[int]:
-        return [whole_numel(layer._module.parameters()) for layer in self._layer_summary.values()]
+        return [whole_numel(layer.parameters()) for layer in summary_layers(self)]
 
     @property
     @override
     def parameters_per_layer(self) -> list[int]:
-        return [_per_device(layer._module.parameters()) for layer in self._layer_summary.values()]
+        return [_per_device(layer.parameters()) for layer in summary_layers(self)]
 
     @property
     @override
     def total_parameters(self) -> int:
-        return whole_numel(self._model.parameters())
+        return whole_numel(summary_model(self).parameters())
 
     @property
     @override
     def trainable_parameters(self) -> int:
-        return whole_numel(p for p in self._model.parameters() if p.requires_grad)
+        return whole_numel(p for p in summary_model(self).parameters() if p.requires_grad)
 
 
 def _per_device(parameters: Iterable[nn.Parameter]) -> int:
-    per_device = [p.partition_numel() if is_zero_param(p) else p.numel() for p in parameters]  # type: ignore[attr-defined]
-    return int(sum(per_device))
+    return sum(ds_compat.numel_on_rank(param) for param in parameters)
 
 
 def count_partitioned(trainer: pl.Trainer, engines: Mapping[str, DeepSpeedEngine]) -> Callable[[], None]:
@@ -69,17 +72,17 @@ def count_partitioned(trainer: pl.Trainer, engines: Mapping[str, DeepSpeedEngine
         return lambda: None
     callbacks = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]  # type: ignore[attr-defined]
     for callback in callbacks:
-        setattr(callback, _SUMMARY_METHOD, _deepspeed_summary(callback))
+        replace_summary(callback, _deepspeed_summary(callback))
 
     def undo() -> None:
         for callback in callbacks:
-            vars(callback).pop(_SUMMARY_METHOD, None)
+            restore_summary(callback)
 
     return undo
 
 
 def _deepspeed_summary(callback: ModelSummary) -> Callable[[pl.Trainer, pl.LightningModule], PartitionedSummary]:
     def summary(trainer: pl.Trainer, pl_module: pl.LightningModule) -> PartitionedSummary:
-        return PartitionedSummary(pl_module, max_depth=callback._max_depth)
+        return PartitionedSummary(pl_module, max_depth=summary_depth(callback))
 
     return summary

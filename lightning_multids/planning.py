@@ -15,19 +15,12 @@ import lightning.pytorch as pl
 from deepspeed import DeepSpeedEngine
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.ops.lion import DeepSpeedCPULion
-from lightning.pytorch.core.optimizer import (
-    _configure_optimizers,
-    _configure_schedulers_automatic_opt,
-    _configure_schedulers_manual_opt,
-    _validate_optimizers_attached,
-    _validate_scheduler_api,
-)
-from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_multids._compat.lightning import call_configure_optimizers, optimizers_and_schedulers, scheduler_configs
 from lightning_multids.config import frozen_config, zero_stage
 from lightning_multids.discovery import match_optimizers
 from lightning_multids.optimizer import EngineScheduler
@@ -82,14 +75,14 @@ def collect_optimizers(
         module: the LightningModule.
         num_config_optimizers: how many engines get their optimizer from their DeepSpeed config.
     """
-    conf = call._call_lightning_module_hook(trainer, "configure_optimizers", pl_module=module)
+    conf = call_configure_optimizers(trainer, module)
     if conf is None and not num_config_optimizers:
         raise ValueError(
             f"`{type(module).__name__}.configure_optimizers` returned None, so no engine would train. Return one "
             "optimizer per submodule to train, e.g. `[Adam(self.generator.parameters()), "
             "Adam(self.discriminator.parameters())]`, or give an engine an `optimizer` section in its DeepSpeed config."
         )
-    optimizers, schedulers, monitor = _configure_optimizers(conf) if conf is not None else ([], [], None)
+    optimizers, schedulers, monitor = optimizers_and_schedulers(conf) if conf is not None else ([], [], None)
     total = len(optimizers) + num_config_optimizers
     if total > 1 and module.automatic_optimization:
         _refuse_accumulation_in_manual(trainer, module, total)
@@ -104,13 +97,7 @@ def collect_optimizers(
             f"MultiDeepSpeedStrategy: {total} trainable engines, so `{type(module).__name__}` runs manual "
             "optimization: call `self.manual_backward(loss)` and `opt.step()` in `training_step`."
         )
-    if module.automatic_optimization:
-        configs = _configure_schedulers_automatic_opt(schedulers, monitor)
-    else:
-        configs = _configure_schedulers_manual_opt(schedulers)
-    _validate_optimizers_attached(optimizers, configs)
-    _validate_scheduler_api(configs, module)
-    return optimizers, configs
+    return optimizers, scheduler_configs(schedulers, monitor, module, optimizers)
 
 
 def _refuse_accumulation_in_manual(trainer: pl.Trainer, module: pl.LightningModule, total: int) -> None:

@@ -30,6 +30,7 @@ from lightning_multids import accelerator as ds_accelerator
 from lightning_multids import checkpoint as checkpoints
 from lightning_multids import gradients, loading
 from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._compat.lightning import apply_layer_sync, process_group_backend, should_accumulate, trainer_of
 from lightning_multids.config import load_config, validate_stage, zero3_init_config
 from lightning_multids.data import forget_requested
 from lightning_multids.discovery import check_engine_names
@@ -212,7 +213,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._unset_extensions_dir = keep_extensions_in_environment()
         ds_accelerator.follow(self.root_device.type)
         super().setup_distributed()
-        deepspeed.init_distributed(dist_backend=self._process_group_backend, auto_mpi_discovery=False, verbose=False)
+        deepspeed.init_distributed(dist_backend=process_group_backend(self), auto_mpi_discovery=False, verbose=False)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -234,8 +235,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._show_zero_deprecations = hide_zero_deprecations()
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
+        if fitting:
+            self.model = apply_layer_sync(self, self.model)
         module = self.lightning_module
         assert module is not None
         check_engine_names(module, self.engine_configs)
@@ -389,7 +390,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     def _whole_outside_fit(self, name: str) -> torch.nn.Module | None:
         """The LightningModule's whole submodule ``name`` during validate, test or predict; None otherwise."""
         module = self.lightning_module
-        if module is None or module._trainer is None or module.trainer.state.fn == TrainerFn.FITTING:
+        if module is None or trainer_of(module) is None or module.trainer.state.fn == TrainerFn.FITTING:
             return None
         child = getattr(module, name, None)
         return child if isinstance(child, torch.nn.Module) and not is_partitioned(child) else None
@@ -448,7 +449,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         if module is None or trainer is None or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return
         default_hook = type(module).on_validation_model_zero_grad is pl.LightningModule.on_validation_model_zero_grad
-        if default_hook and not trainer.fit_loop.epoch_loop._should_accumulate():
+        if default_hook and not should_accumulate(trainer):
             self._engine_set.clear_gradients()
 
     @override
@@ -618,7 +619,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._stop_arrival()
         self._loading = None  # a checkpoint read for a setup that did not finish
         module = self.lightning_module
-        fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        fitted = module is not None and trainer_of(module) is not None and module.trainer.state.fn == TrainerFn.FITTING
         if fitted and not self._failed and self._engine_set.trainable_engines:
             self._fitted = self._engine_set
         self._engine_set = EngineSet()
@@ -628,7 +629,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._show_zero_deprecations = _nothing
         self._unset_extensions_dir()
         self._unset_extensions_dir = _nothing
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+        if self.lightning_module is not None and trainer_of(self.lightning_module) is not None:
             forget_requested(self.lightning_module.trainer)  # the dataloaders the engines were sized from
         super().teardown()  # as DDP: reverts sync_batchnorm, moves the module to the CPU
 

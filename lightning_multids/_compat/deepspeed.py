@@ -44,6 +44,7 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils import safe_get_full_grad
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -537,6 +538,16 @@ def local_gradient(param: torch.nn.Parameter) -> torch.Tensor:
 def full_shape(param: torch.nn.Parameter) -> torch.Size:
     """The parameter's whole shape, also when ZeRO-3 holds only a partition of it (``ds_shape``)."""
     return param.ds_shape if hasattr(param, "ds_shape") else param.shape
+
+
+def whole_numel(param: torch.nn.Parameter) -> int:
+    """The parameter's number of elements, whole, also when ZeRO-3 holds only a partition of it (``ds_numel``)."""
+    return int(param.ds_numel) if is_zero_param(param) else param.numel()  # type: ignore[attr-defined]
+
+
+def numel_on_rank(param: torch.nn.Parameter) -> int:
+    """The elements this rank holds: a ZeRO-3 parameter's partition (``partition_numel()``), else all of them."""
+    return int(param.partition_numel()) if is_zero_param(param) else param.numel()  # type: ignore[attr-defined]
 
 
 def gathered_gradients(

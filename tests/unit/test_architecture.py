@@ -1,0 +1,112 @@
+"""Upstream private names live in ``lightning_multids/_compat/``, one module per upstream, and nowhere else.
+
+A private name is an underscore name of torch, Lightning or DeepSpeed: imported (``from lightning.x import
+_name``, or a module path with an underscore part, ``torch._C``) or read as an attribute (``module._trainer``)
+where the package itself defines no such name. DeepSpeed's undocumented parameter attributes (``ds_numel``,
+``partition_numel()``...) count too.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_multids"
+COMPAT = PACKAGE / "_compat"
+UPSTREAMS = ("torch", "lightning", "lightning_fabric", "lightning_utilities", "deepspeed")
+DEEPSPEED_PARAMETER_ATTRIBUTES = ("ds_", "partition_numel")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _trees() -> dict[Path, ast.Module]:
+    return {path: ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _own_names(trees: dict[Path, ast.Module]) -> set[str]:
+    """Names the package defines: functions, classes, arguments, variables, attributes set on ``self``/``cls``."""
+    names: set[str] = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                names.add(node.attr)
+    return names
+
+
+def upstream_private_uses(tree: ast.Module, own: set[str]) -> Iterator[tuple[int, str]]:
+    """Each use of an upstream private name in ``tree``: its line and the name."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] in UPSTREAMS:
+                if any(_private(part) for part in parts):
+                    yield node.lineno, node.module
+                yield from ((node.lineno, alias.name) for alias in node.names if _private(alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] in UPSTREAMS and any(_private(part) for part in parts):
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.Attribute) and _upstream_attribute(node.attr, own):
+            yield node.lineno, ast.unparse(node)
+
+
+def _upstream_attribute(name: str, own: set[str]) -> bool:
+    return (_private(name) and name not in own) or name.startswith(DEEPSPEED_PARAMETER_ATTRIBUTES)
+
+
+def test_no_upstream_private_name_outside_compat() -> None:
+    trees = _trees()
+    own = _own_names(trees)
+    found = [
+        f"{path.relative_to(PACKAGE)}:{line}: {name}"
+        for path, tree in trees.items()
+        if COMPAT not in path.parents
+        for line, name in upstream_private_uses(tree, own)
+    ]
+    assert not found, "upstream private names outside lightning_multids/_compat/ (move each there):\n" + "\n".join(
+        found
+    )
+
+
+def test_the_scan_sees_each_kind_of_private_use() -> None:
+    code = (
+        "from torch._C import _current_graph_task_id\n"
+        "from lightning.pytorch.core.optimizer import _configure_optimizers\n"
+        "import torch._dynamo\n"
+        "trainer = module._trainer\n"
+        "size = param.ds_numel\n"
+        "self._mine = 1\n"
+        "value = self._mine\n"
+    )
+    names = [name for _, name in upstream_private_uses(ast.parse(code), _own_names({Path("x.py"): ast.parse(code)}))]
+    assert names == [
+        "torch._C",
+        "_current_graph_task_id",
+        "_configure_optimizers",
+        "torch._dynamo",
+        "module._trainer",
+        "param.ds_numel",
+    ]
+
+
+def test_each_compat_module_says_the_versions_it_was_read_from() -> None:
+    for path in sorted(COMPAT.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "read from" in docstring.splitlines()[0], f"{path.name}: say which upstream versions it was read from"
