@@ -48,7 +48,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids._compat.deepspeed import release_engine
-from lightning_multids.config import DEEPSPEED_REDUCE_BUCKET, DEEPSPEED_ZERO3, engine_config, merge
+from lightning_multids._config import DEEPSPEED_REDUCE_BUCKET, DEEPSPEED_ZERO3, engine_config, merge
 
 SIZES = {  # hidden width x hidden layers of teacher and student, batch per process
     "cpu": {"teacher": (2048, 12), "student": (512, 2), "batch": 64},  # 47.8 M and 0.67 M parameters

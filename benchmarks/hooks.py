@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_multids import routing
+from lightning_multids import _routing as routing
 from lightning_multids._compat import deepspeed as ds_compat
 
 

@@ -46,8 +46,11 @@ from lightning.pytorch.strategies import Strategy
 from overhead import MODULES, Run, batches, configure, run_raw, run_strategy
 from torch import nn
 
-from lightning_multids import engines, lifecycle, nonfinite, routing
-from lightning_multids.optimizer import EngineOptimizer
+from lightning_multids import _engines as engines
+from lightning_multids import _lifecycle as lifecycle
+from lightning_multids import _nonfinite as nonfinite
+from lightning_multids import _routing as routing
+from lightning_multids._optimizer import EngineOptimizer
 from lightning_multids.strategy import MultiDeepSpeedStrategy
 
 STRATEGY = "strategy"

@@ -42,7 +42,7 @@ from common import BARE, formula
 from overhead import S, discriminator_loss, gan_modules, generator_loss, mlp
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.config import DEEPSPEED_ZERO3, engine_config
+from lightning_multids._config import DEEPSPEED_ZERO3, engine_config
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "buffers")
 

@@ -9,7 +9,7 @@ GPU mode, on every GPU of one machine (nccl), with models of hundreds of million
 
     torchrun --nproc-per-node 1 benchmarks/overhead.py --case gan --stage 2 --device cuda --precision bf16-mixed
 
-Both sides build their engines from the same DeepSpeed configs (``lightning_multids.config.engine_config``)
+Both sides build their engines from the same DeepSpeed configs (``lightning_multids._config.engine_config``)
 and do the same work per step:
 
 * ``gan``: the discriminator on ``cat(real, fake.detach())``, its backward and step; then the generator's
@@ -54,7 +54,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.config import engine_config, frozen_config, sized_buckets
+from lightning_multids._config import engine_config, frozen_config, sized_buckets
 
 SIZES = {
     # --size cpu: a few million parameters per engine, for 2 CPU processes.

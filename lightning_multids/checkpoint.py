@@ -11,7 +11,7 @@ Layout of a checkpoint ``PATH`` (a directory, whatever its name, e.g. ``epoch=3-
                              a frozen or EMA engine's whole ``state_dict`` instead (it has no optimizer
                              state; DeepSpeed cannot save a ZeRO-3 engine without an optimizer)
     PATH/engines/NAME/hf/    for an engine holding a Hugging Face model (PEFT's included): its config, adapter
-                             config and class, for ``export(..., format="hf")`` (:mod:`lightning_multids.huggingface`)
+                             config and class, for ``export(..., format="hf")`` (:mod:`lightning_multids._huggingface`)
     PATH/engines/NAME/universal/
                              added by the first resume at another world size: the ZeRO-1/2/3 engine's
                              state as DeepSpeed's universal checkpoint (``ds_to_universal``), which loads at
@@ -43,10 +43,13 @@ from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from torch import nn
 
-from lightning_multids import huggingface, loading
+from lightning_multids import _huggingface as huggingface
+from lightning_multids import _loading as loading
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.deepspeed import stage0_weights
-from lightning_multids.gathering import whole
+from lightning_multids._gathering import whole
+
+__all__ = ["consolidated_state_dicts", "export"]
 
 FORMAT_KEY = "multids"
 LIGHTNING_FILE = "lightning.pt"
@@ -79,7 +82,7 @@ def save(
         engines: the engines to save with DeepSpeed (weights and optimizer state), by name.
         weights: the submodules of the engines to save as weights only (frozen and EMA engines), by name.
         frozen: the names of all frozen engines (saved or not), for the description.
-        averages: the update count of each EMA engine (:meth:`~lightning_multids.ema.Averager.state`).
+        averages: the update count of each EMA engine (:meth:`~lightning_multids._ema.Averager.state`).
         plain_state: the state dict entries of submodules that are not engines.
         world_size: the number of processes (each a data-parallel rank of every engine).
         is_global_zero: whether this is rank 0, which writes Lightning's part and moves directories.
@@ -226,7 +229,7 @@ def load_engines(
     An engine saved as weights only (:func:`save_weights`) gets its weights. At a world size other than the
     checkpoint's (``saved``, its description), each ZeRO-1/2/3 engine loads DeepSpeed's universal checkpoint of
     its state (:func:`universal`); ZeRO-0 state is whole on every rank and loads as saved. This package's own
-    reads honour ``weights_only``; DeepSpeed's do inside :func:`lightning_multids.loading.reading`.
+    reads honour ``weights_only``; DeepSpeed's do inside :func:`lightning_multids._loading.reading`.
     """
     restricted = loading.restricted(weights_only)
     for name, engine in engines.items():

@@ -34,6 +34,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 import lightning_multids  # noqa: F401  (registers the strategy name `multi_deepspeed`)
 from lightning_multids.checkpoint import LIGHTNING_FILE, export
 
+__all__ = ["MultiDeepSpeedCLI", "main"]
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DESCRIPTION = (
     "Train LightningModules with one DeepSpeed engine per submodule. Subcommands: fit, validate, test, predict "

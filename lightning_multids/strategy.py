@@ -26,19 +26,25 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_multids import accelerator as ds_accelerator
+from lightning_multids import _accelerator as ds_accelerator
+from lightning_multids import _gradients as gradients
+from lightning_multids import _loading as loading
 from lightning_multids import checkpoint as checkpoints
-from lightning_multids import gradients, loading
 from lightning_multids._compat import deepspeed as ds_compat
-from lightning_multids._compat.lightning import apply_layer_sync, process_group_backend, should_accumulate, trainer_of
-from lightning_multids.config import load_config, validate_stage, zero3_init_config
-from lightning_multids.data import forget_requested
-from lightning_multids.discovery import check_engine_names
-from lightning_multids.ema import EmaArgument, average_entries, check_average_names, parse_averages
-from lightning_multids.engines import EngineSet
-from lightning_multids.environment import hide_zero_deprecations, keep_extensions_in_environment
-from lightning_multids.gathering import Arrival, gathered
-from lightning_multids.lifecycle import (
+from lightning_multids._compat.lightning import (
+    apply_layer_sync,
+    forget_requested,
+    process_group_backend,
+    should_accumulate,
+    trainer_of,
+)
+from lightning_multids._config import load_config, validate_stage, zero3_init_config
+from lightning_multids._discovery import check_engine_names
+from lightning_multids._ema import EmaArgument, average_entries, check_average_names, parse_averages
+from lightning_multids._engines import EngineSet
+from lightning_multids._environment import hide_zero_deprecations, keep_extensions_in_environment
+from lightning_multids._gathering import Arrival, gathered
+from lightning_multids._lifecycle import (
     agree_on_failure,
     build_engines,
     build_evaluation_engines,
@@ -47,12 +53,14 @@ from lightning_multids.lifecycle import (
     sync_replicated_states,
     zero3_init,
 )
-from lightning_multids.model_summary import count_partitioned
-from lightning_multids.offload import offloaded
-from lightning_multids.planning import check_clip_algorithm, warn_gradient_readers
-from lightning_multids.precision import EnginePrecision
+from lightning_multids._model_summary import count_partitioned
+from lightning_multids._offload import offloaded
+from lightning_multids._planning import check_clip_algorithm, warn_gradient_readers
+from lightning_multids._precision import EnginePrecision
 
 log = logging.getLogger(__name__)
+__all__ = ["MultiDeepSpeedStrategy"]
+
 _COLLECTIVE_FAILURE = re.compile(r"Connection (closed|reset)|gloo|NCCL|Broken pipe", re.IGNORECASE)
 
 
@@ -84,7 +92,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             submodule ``self.generator_ema`` (a copy of ``self.generator``) becomes a frozen fp32 engine at its own
             stage (its ``engine_configs`` entry), starts as a copy of its source and follows each of its steps as
             ``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn(decay)`` would. Saved with every
-            checkpoint and resumed (see :mod:`lightning_multids.ema`).
+            checkpoint and resumed (see :mod:`lightning_multids._ema`).
         gathered_timeout: how long :meth:`gathered` of a ZeRO-3 engine waits for every rank to enter it before it
             raises, instead of waiting in its all-gather for ``timeout``; separate from ``timeout``, so raise it too
             where ranks reach a block further apart. ``None`` turns the check off (a gloo group, made at setup where
@@ -206,7 +214,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         DDP chooses the process group backend from the device (gloo on CPU, nccl on CUDA); DeepSpeed's comm
         layer and engines then run on the same accelerator as Lightning. Until :meth:`teardown`, DeepSpeed's
         JIT-built ops go to a folder of this environment unless ``TORCH_EXTENSIONS_DIR`` is set
-        (:func:`~lightning_multids.environment.keep_extensions_in_environment`).
+        (:func:`~lightning_multids._environment.keep_extensions_in_environment`).
         """
         ds_compat.check_deepspeed()
         self._unset_extensions_dir()  # a start after one whose teardown did not run
@@ -305,7 +313,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         turns out not to be ZeRO-3 (and plain submodules) are made whole again before any optimizer holds
         them. So a ZeRO-3 teacher never exists whole in one process, while a ZeRO-2 student beside it
         ends up whole, as its engine expects. ``zero.Init`` gets the ZeRO-3 engines' config (dtype,
-        ``offload_param``), which they must share (see :func:`~lightning_multids.config.zero3_init_config`).
+        ``offload_param``), which they must share (see :func:`~lightning_multids._config.zero3_init_config`).
         """
         config = zero3_init_config(
             self.stage, self.config, self._entries, precision=str(self.precision_plugin.precision)
@@ -528,7 +536,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """Read Lightning's part of the checkpoint; the engines' parts load at setup (all state when fitting).
 
         Every file loads as ``torch.load`` with ``weights_only`` would (``None``: torch's default, tensors and plain
-        types only), DeepSpeed's too (see :mod:`lightning_multids.loading`), as under Lightning's own strategies.
+        types only), DeepSpeed's too (see :mod:`lightning_multids._loading`), as under Lightning's own strategies.
         """
         path = checkpoints.resolve(self.broadcast(str(checkpoint_path)))
         with loading.reading(path, weights_only):

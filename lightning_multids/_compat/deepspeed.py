@@ -10,7 +10,7 @@ touches; the rest of the package calls those names and DeepSpeed's public API (`
 DeepSpeed outside :data:`SUPPORTED_DEEPSPEED` or one whose classes lack a method used here, and
 :func:`check_engine` refuses a built engine that lacks an attribute used here.
 
-Engines run with ``managed_gradient_accumulation: false`` (see :mod:`lightning_multids.config`): a
+Engines run with ``managed_gradient_accumulation: false`` (see :mod:`lightning_multids._config`): a
 backward only accumulates and ``engine.step()`` is the accumulation boundary. What a backward leaves
 behind depends on the optimizer DeepSpeed chose:
 

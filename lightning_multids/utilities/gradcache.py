@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+__all__ = ["gather_with_grad", "grad_cache", "info_nce"]
+
 
 class _GatherWithGrad(torch.autograd.Function):
     @staticmethod

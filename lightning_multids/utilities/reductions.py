@@ -15,6 +15,8 @@ from deepspeed import DeepSpeedEngine
 
 from lightning_multids._compat.deepspeed import reduction_call
 
+__all__ = ["ReductionCounter"]
+
 
 class ReductionCounter:
     """Within the ``with`` block, count each engine's gradient reductions across ranks.

@@ -9,6 +9,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+__all__ = ["RunSummary"]
+
 
 class RunSummary(pl.Callback):
     """On rank 0, after ``fit``: the engines, TensorBoard logs, the checkpoint, and commands to export and view.

@@ -26,7 +26,7 @@ from deepspeed import DeepSpeedEngine
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.environment import EXTENSIONS_VARIABLE, ZERO_DEPRECATIONS, default_extensions_dir
+from lightning_multids._environment import EXTENSIONS_VARIABLE, ZERO_DEPRECATIONS, default_extensions_dir
 from tests import patterns
 from tests.distributed.common import cpu_trainer, finish, sharded_loader
 

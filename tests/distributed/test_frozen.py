@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_multids.config import DEEPSPEED_ZERO3
+from lightning_multids._config import DEEPSPEED_ZERO3
 from tests import patterns
 from tests.distributed.harness import run_ranks
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_multids.environment import ZERO_COLLECTIVES
+from lightning_multids._environment import ZERO_COLLECTIVES
 from tests import patterns
 from tests.distributed import run_lifecycle
 from tests.distributed.harness import run_ranks

@@ -108,7 +108,7 @@ def record(error_type: str, message: str, innermost: str) -> dict:
             record(
                 "ValueError",
                 "`opt.step()` of engine 'g' was called with no gradient since its last step or `zero_grad()`: ...",
-                "/x/lightning_multids/optimizer.py:190:_refuse_empty_step",
+                "/x/lightning_multids/_optimizer.py:190:_refuse_empty_step",
             ),
             "documented",
         ),

@@ -8,7 +8,7 @@ import pytest
 from deepspeed.accelerator import get_accelerator, set_accelerator
 from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
-from lightning_multids import accelerator
+from lightning_multids import _accelerator as accelerator
 
 
 @pytest.fixture

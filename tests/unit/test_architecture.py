@@ -9,6 +9,7 @@ where the package itself defines no such name. DeepSpeed's undocumented paramete
 from __future__ import annotations
 
 import ast
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,3 +111,34 @@ def test_each_compat_module_says_the_versions_it_was_read_from() -> None:
             continue
         docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert "read from" in docstring.splitlines()[0], f"{path.name}: say which upstream versions it was read from"
+
+
+PUBLIC_MODULES = [
+    "lightning_multids",
+    "lightning_multids.strategy",
+    "lightning_multids.checkpoint",
+    "lightning_multids.cli",
+    "lightning_multids.utilities",
+    "lightning_multids.utilities.gradcache",
+    "lightning_multids.utilities.reductions",
+    "lightning_multids.utilities.summary",
+]
+"""The modules a user imports; every other module is marked as the package's own by a leading underscore."""
+
+
+def test_every_module_is_public_with_all_or_marked_private() -> None:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        marked = any(part.startswith("_") and part != "__init__" for part in parts[1:])
+        assert marked != (name in PUBLIC_MODULES), f"{name}: list it in PUBLIC_MODULES or give it a leading underscore"
+
+
+def test_the_public_names_are_in_all_and_documented() -> None:
+    for name in PUBLIC_MODULES:
+        module = importlib.import_module(name)
+        assert module.__doc__, f"{name} has no docstring"
+        exported = getattr(module, "__all__", None)
+        assert exported, f"{name} lists no public names in __all__"
+        for public in exported:
+            assert getattr(getattr(module, public), "__doc__", None), f"{name}.{public} has no docstring"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_multids._environment import keep_extensions_in_environment
 from lightning_multids.cli import main, newest_last_checkpoint
-from lightning_multids.environment import keep_extensions_in_environment
 from lightning_multids.utilities.summary import command, shown
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.config import (
+from lightning_multids._config import (
     DEEPSPEED_REDUCE_BUCKET,
     DEEPSPEED_ZERO3,
     FROZEN_ZERO3,

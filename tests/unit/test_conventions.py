@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.deepspeed import UnsupportedDeepSpeed
-from lightning_multids.optimizer import EngineOptimizer
+from lightning_multids._optimizer import EngineOptimizer
 
 REPO = Path(__file__).resolve().parents[2]
 

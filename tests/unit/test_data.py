@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from lightning_multids._compat.lightning import _Requested
-from lightning_multids.data import per_process_batch_size, train_loaders
+from lightning_multids._data import per_process_batch_size, train_loaders
 
 
 def loader(batch_size: int) -> torch.utils.data.DataLoader:

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_multids.discovery import UNWALKED, Reach, reached_engines
-from lightning_multids.engines import EngineSet
-from lightning_multids.routing import Router
+from lightning_multids._discovery import UNWALKED, Reach, reached_engines
+from lightning_multids._engines import EngineSet
+from lightning_multids._routing import Router
 
 TRAINABLE = ("a", "b", "c", "d")
 GRAPHS = 400

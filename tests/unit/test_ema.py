@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.ema import Average, average_entries, check_average_names, check_averages, parse_averages
+from lightning_multids._ema import Average, average_entries, check_average_names, check_averages, parse_averages
 
 
 class Module(nn.Module):

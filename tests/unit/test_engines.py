@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from lightning_multids._compat.deepspeed import loss_scale
-from lightning_multids.discovery import check_engine_names, match_optimizers, parameter_owners, reached_engines
-from lightning_multids.engines import EngineSet
-from lightning_multids.optimizer import EngineScheduler, _GroupView
-from lightning_multids.precision import loss_scaling
+from lightning_multids._discovery import check_engine_names, match_optimizers, parameter_owners, reached_engines
+from lightning_multids._engines import EngineSet
+from lightning_multids._optimizer import EngineScheduler, _GroupView
+from lightning_multids._precision import loss_scaling
 from tests import patterns
 from tests.unit.test_discovery import FakeEngine
 
@@ -229,7 +229,7 @@ def test_a_backward_at_one_loss_scale_does_not_walk_the_graph(
     def walk(*args: object) -> None:
         raise AssertionError("the graph was walked")
 
-    monkeypatch.setattr("lightning_multids.engines.reached_engines", walk)
+    monkeypatch.setattr("lightning_multids._engines.reached_engines", walk)
     torch.manual_seed(0)
     generator, discriminator = nn.Linear(2, 3), nn.Linear(3, 1)
     engines = {"d": ScaledEngine("d", discriminator, scales[1]), "g": ScaledEngine("g", generator, scales[0])}
@@ -244,8 +244,8 @@ def test_a_backward_at_one_loss_scale_does_not_walk_the_graph(
 
 
 def test_clipping_by_value_in_manual_optimization_is_refused() -> None:
-    from lightning_multids.optimizer import EngineOptimizer
-    from lightning_multids.precision import EnginePrecision
+    from lightning_multids._optimizer import EngineOptimizer
+    from lightning_multids._precision import EnginePrecision
 
     module = nn.Linear(2, 2)
     engine = SimpleNamespace(module=module, fp16_enabled=lambda: False, optimizer=None)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from lightning_multids.environment import ZERO_COLLECTIVES, hide_zero_deprecations
+from lightning_multids._environment import ZERO_COLLECTIVES, hide_zero_deprecations
 
 MESSAGES = [f"`torch.distributed.{name}` is deprecated. Please use another." for name in ZERO_COLLECTIVES]
 OTHER = "`torch.distributed.broadcast` is deprecated."

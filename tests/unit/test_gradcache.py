@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_multids.engines import EngineSet
+from lightning_multids._engines import EngineSet
 from lightning_multids.utilities.gradcache import grad_cache, info_nce
 
 

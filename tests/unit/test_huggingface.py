@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import GPT2LMHeadModel  # noqa: E402
 
-from lightning_multids import huggingface  # noqa: E402
+from lightning_multids import _huggingface as huggingface  # noqa: E402
 from tests.distributed import run_hf  # noqa: E402
 
 PROMPT = run_hf.PROMPT

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_multids import loading
+from lightning_multids import _loading as loading
 from lightning_multids._compat import deepspeed as ds_compat
 from tests.poison import poison
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_multids.nonfinite import NonFiniteGradients, skip_nonfinite_steps
+from lightning_multids._nonfinite import NonFiniteGradients, skip_nonfinite_steps
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-from lightning_multids.offload import offloaded
+from lightning_multids._offload import offloaded
 
 
 class Engine:

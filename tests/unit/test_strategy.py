@@ -5,9 +5,9 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids.engines import EngineSet
-from lightning_multids.planning import check_clip_algorithm, warn_gradient_readers
-from lightning_multids.precision import EnginePrecision
+from lightning_multids._engines import EngineSet
+from lightning_multids._planning import check_clip_algorithm, warn_gradient_readers
+from lightning_multids._precision import EnginePrecision
 
 
 def test_selectable_by_name() -> None:

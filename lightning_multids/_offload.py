@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
-from lightning_multids.optimizer import EngineOptimizer
+from lightning_multids._optimizer import EngineOptimizer
 
 
 @contextmanager

@@ -18,9 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch.utils.data import DataLoader
 
-from lightning_multids._compat.lightning import forget_requested, request_train_loaders
-
-__all__ = ["forget_requested", "per_process_batch_size", "train_loaders"]
+from lightning_multids._compat.lightning import request_train_loaders
 
 
 def train_loaders(trainer: pl.Trainer) -> Any | None:

@@ -25,7 +25,7 @@ runs before ZeRO's own gradient hooks), and after the backward each entered engi
 once, in name order (the same collective order on every rank). The prologue runs no collective, so the order
 in which engines are entered does not matter. Nothing walks the graph before the backward, so the cost does
 not grow with its size; only a loss scale that depends on which engines the loss reaches (fp16 engines at
-different scales) needs the walk of :mod:`lightning_multids.discovery`, whose engines are then entered first.
+different scales) needs the walk of :mod:`lightning_multids._discovery`, whose engines are then entered first.
 Marking each engine as "inside engine.backward" tells DeepSpeed's own post-backward callback to leave
 the epilogue to us, exactly as ``DeepSpeedEngine.backward`` does for itself.
 The DeepSpeed calls themselves (prologue, epilogue, the marks) are in :mod:`lightning_multids._compat.deepspeed`.
@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.torch import accumulates_into, current_graph_task_id, queue_callback
-from lightning_multids.discovery import UNWALKED, Reach
+from lightning_multids._discovery import UNWALKED, Reach
 
 
 @dataclass

@@ -27,7 +27,7 @@ from lightning_multids._compat.lightning import (
     summary_layers,
     summary_model,
 )
-from lightning_multids.lifecycle import whole_numel
+from lightning_multids._lifecycle import whole_numel
 
 
 class PartitionedSummary(DeepSpeedSummary):

@@ -22,7 +22,7 @@ from deepspeed.runtime.zero.utils import is_zero_param
 from torch import nn
 
 from lightning_multids._compat import deepspeed as ds_compat
-from lightning_multids.optimizer import EngineOptimizer
+from lightning_multids._optimizer import EngineOptimizer
 
 
 class Arrival:

@@ -3,7 +3,7 @@
 Engines are found from the optimizers of ``configure_optimizers``: each trains the direct child of the
 LightningModule that holds its parameters (:func:`match_optimizers`). A loss reaches the engines whose
 parameters its autograd graph holds. The router finds them as their gradients arrive
-(:mod:`lightning_multids.routing`); only where the loss's scale depends on them (fp16 engines at different
+(:mod:`lightning_multids._routing`); only where the loss's scale depends on them (fp16 engines at different
 loss scales) are they read off the graph before the backward runs (:func:`reached_engines`), at a cost that
 grows with the graph.
 
@@ -17,7 +17,7 @@ Holding them makes every identity check a check on a live object.
 A reentrant activation checkpoint (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``,
 DeepSpeed's ``checkpointing.checkpoint``) runs its forward without recording a graph; the parameters
 inside it appear only when its backward recomputes the forward. The walk cannot see them, so it
-says that the graph holds such a node (``Reach.hidden``); :mod:`lightning_multids.routing` then
+says that the graph holds such a node (``Reach.hidden``); :mod:`lightning_multids._routing` then
 also enters, during the backward, any engine whose gradients arrive without having been found.
 """
 

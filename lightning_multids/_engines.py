@@ -1,6 +1,6 @@
 """The engines of one fit, and what the strategy asks of them between setup and teardown.
 
-:mod:`lightning_multids.lifecycle` builds an :class:`EngineSet` at setup and releases it at teardown; in
+:mod:`lightning_multids._lifecycle` builds an :class:`EngineSet` at setup and releases it at teardown; in
 between, the strategy's hooks call it: a backward (:meth:`EngineSet.backward`), ``no_sync``, clearing,
 ``full_gradients``, and the checks Lightning's loop needs.
 """
@@ -20,13 +20,13 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
-from lightning_multids.config import merge
-from lightning_multids.discovery import UNWALKED, reached_engines
-from lightning_multids.ema import Averager
-from lightning_multids.gradients import full_gradients
-from lightning_multids.optimizer import EngineOptimizer
-from lightning_multids.precision import loss_scaling
-from lightning_multids.routing import Router, refuse_uneven_zero3
+from lightning_multids._config import merge
+from lightning_multids._discovery import UNWALKED, reached_engines
+from lightning_multids._ema import Averager
+from lightning_multids._gradients import full_gradients
+from lightning_multids._optimizer import EngineOptimizer
+from lightning_multids._precision import loss_scaling
+from lightning_multids._routing import Router, refuse_uneven_zero3
 
 
 @dataclass
@@ -134,7 +134,7 @@ class EngineSet:
 
         Raises if ``loss`` reaches no trainable engine (it would train nothing), after the backward; with several
         ranks, only if it reaches none on any rank (the ranks agree after each backward, see
-        :func:`~lightning_multids.routing.agree`). An exception in the backward leaves the engines it reached
+        :func:`~lightning_multids._routing.agree`). An exception in the backward leaves the engines it reached
         clean, without their gradients of this step.
         """
         if loss.grad_fn is None:

@@ -21,9 +21,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_multids._compat.lightning import call_configure_optimizers, optimizers_and_schedulers, scheduler_configs
-from lightning_multids.config import frozen_config, zero_stage
-from lightning_multids.discovery import match_optimizers
-from lightning_multids.optimizer import EngineScheduler
+from lightning_multids._config import frozen_config, zero_stage
+from lightning_multids._discovery import match_optimizers
+from lightning_multids._optimizer import EngineScheduler
 
 
 @dataclass

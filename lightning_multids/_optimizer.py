@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.torch import step_hooks_or_profiler, step_post_hooks
-from lightning_multids.nonfinite import NonFiniteGradients, skip_nonfinite_steps
+from lightning_multids._nonfinite import NonFiniteGradients, skip_nonfinite_steps
 
 
 class _GroupView(MutableMapping):

@@ -2,7 +2,7 @@
 
 - DeepSpeed warns on import, on every machine without a GPU, that it set its accelerator to the CPU because
   it found no GPU. The strategy sets DeepSpeed's accelerator from the Trainer's anyway
-  (:mod:`lightning_multids.accelerator`), so that one message is dropped while ``import lightning_multids`` imports
+  (:mod:`lightning_multids._accelerator`), so that one message is dropped while ``import lightning_multids`` imports
   DeepSpeed (the filter is removed after it: the import leaves no global state behind).
 
 From the strategy's process-group start (``setup_distributed``) to its ``teardown``:

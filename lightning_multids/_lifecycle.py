@@ -2,7 +2,7 @@
 
 Setup (:func:`build_engines`, fit; :func:`build_evaluation_engines`, validate/test/predict):
 
-1. plan from ``configure_optimizers`` and the configs (:mod:`lightning_multids.planning`);
+1. plan from ``configure_optimizers`` and the configs (:mod:`lightning_multids._planning`);
 2. make whole the submodules ``configure_model`` built under ``zero.Init`` whose engine is not ZeRO-3;
 3. per engine: ``deepspeed.initialize`` (:func:`build_engine`), then :func:`attach` (the input cast, the
    refusal of ``engine(x)``) and, for a trainable engine, the router's gradient hooks.
@@ -35,12 +35,12 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.lightning import sync_module_states
-from lightning_multids.config import engine_config, frozen_config, merge, sized_buckets, zero_stage
-from lightning_multids.data import per_process_batch_size, train_loaders
-from lightning_multids.ema import Average, build_averager, check_averages
-from lightning_multids.engines import EngineSet
-from lightning_multids.planning import Plan, check_batch_settings, config_scheduler, plan_engines
-from lightning_multids.precision import cast_inputs, engine_dtype
+from lightning_multids._config import engine_config, frozen_config, merge, sized_buckets, zero_stage
+from lightning_multids._data import per_process_batch_size, train_loaders
+from lightning_multids._ema import Average, build_averager, check_averages
+from lightning_multids._engines import EngineSet
+from lightning_multids._planning import Plan, check_batch_settings, config_scheduler, plan_engines
+from lightning_multids._precision import cast_inputs, engine_dtype
 
 
 def build_engines(
@@ -63,7 +63,7 @@ def build_engines(
     * any other submodule named in ``engine_configs`` becomes a frozen (inference) engine;
     * submodules with neither an optimizer nor an entry stay plain modules on the device;
     * each of ``averages`` (which have an entry, so a frozen engine) starts as a copy of its source and follows
-      its steps (:mod:`lightning_multids.ema`).
+      its steps (:mod:`lightning_multids._ema`).
 
     User hooks and checks run locally first; ``agree(error_or_None)`` is then called on every rank, and must
     raise on every rank if any rank passed an error. DeepSpeed's first collective (a store barrier in

@@ -17,7 +17,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from typing_extensions import override
 
-from lightning_multids.optimizer import EngineOptimizer
+from lightning_multids._optimizer import EngineOptimizer
 
 
 class EnginePrecision(Precision):
