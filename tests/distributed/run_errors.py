@@ -233,7 +233,7 @@ def sharing(probe_stage: int | None, discriminator_stage: int) -> dict:
     engines: dict = {"discriminator": {"zero_optimization": {"stage": discriminator_stage}}}
     if probe_stage is not None:
         engines["probe"] = {"zero_optimization": {"stage": probe_stage}}
-    return {"stage": 0, "engines": engines}
+    return {"stage": 0, "engine_configs": engines}
 
 
 SHARED = {  # (probe's stage or None for plain, discriminator's stage)
@@ -247,22 +247,22 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     **{f"shared_plain_trained{d}": (lambda: WithProbe(trains_through_probe), sharing(None, d)) for d in (0, 2)},
     "no_optimizer": (lambda: GAN(optimizers="none"), {}),
     "spanning_optimizer": (lambda: GAN(optimizers="spanning"), {}),
-    "unknown_engine_key": (lambda: GAN(returns_loss), {"engines": {"critic": {}}}),
-    "optimizer_in_both": (lambda: GAN(), {"engines": {"discriminator": {"optimizer": {"type": "SGD"}}}}),
-    "fp16_on_cpu": (lambda: GAN(), {"engines": {"generator": {"fp16": {"enabled": True}}}}),
+    "unknown_engine_key": (lambda: GAN(returns_loss), {"engine_configs": {"critic": {}}}),
+    "optimizer_in_both": (lambda: GAN(), {"engine_configs": {"discriminator": {"optimizer": {"type": "SGD"}}}}),
+    "fp16_on_cpu": (lambda: GAN(), {"engine_configs": {"generator": {"fp16": {"enabled": True}}}}),
     "clip_on_frozen": (
         lambda: GAN(returns_loss, "generator"),
-        {"engines": {"discriminator": {"gradient_clipping": 1.0}}},
+        {"engine_configs": {"discriminator": {"gradient_clipping": 1.0}}},
     ),
     "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
     "returned_loss_in_user_manual": (lambda: UserManual(skips_odd_batches), {}),
     "accumulate_when_switched": (lambda: GAN(returns_loss), {}),
     "detached_loss": (lambda: GAN(detached_loss), {}),
-    "scheduler_stepped_by_user": (lambda: GAN(steps_scheduler, "generator"), {"engines": {"discriminator": SCHEDULED}}),
+    "scheduler_stepped_by_user": (lambda: GAN(steps_scheduler, "generator"), {"engine_configs": {"discriminator": SCHEDULED}}),
     "forced_automatic": (lambda: ForcedAutomatic(returns_loss), {}),
     "batch_contradiction": (
         lambda: GAN(returns_loss),
-        {"engines": {"generator": {"train_micro_batch_size_per_gpu": 16}}},
+        {"engine_configs": {"generator": {"train_micro_batch_size_per_gpu": 16}}},
     ),
     "engine_called_directly": (lambda: GAN(calls_engine), {}),
     "step_without_backward": (lambda: GAN(steps_without_backward), {}),
@@ -273,10 +273,10 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "zero_grad_before_step": (lambda: GAN(clears_before_step), {}),
     "offload_with_torch_optimizer": (
         lambda: GAN(returns_loss, "generator"),
-        {"engines": {"generator": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}}},
+        {"engine_configs": {"generator": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}}},
     ),
     "gathered_differs_by_rank": (lambda: GAN(gathers_by_rank), {"stage": 3}),
-    "frozen_without_parameters": (WithHead, {"engines": {"head": {"zero_optimization": {"stage": 3}}}}),
+    "frozen_without_parameters": (WithHead, {"engine_configs": {"head": {"zero_optimization": {"stage": 3}}}}),
     "ema_of_another_shape": (lambda: GAN(returns_loss, "generator"), {"ema": {"discriminator": ("generator", 0.9)}}),
     "ema_that_is_trained": (lambda: GAN(returns_loss, "generator"), {"ema": {"generator": ("discriminator", 0.9)}}),
     **{f"plain_backward_zero{stage}": (lambda: GAN(plain_backward), {"stage": stage}) for stage in range(4)},
@@ -285,7 +285,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "penalty_through_zero3": (lambda: GAN(penalty_only), {"stage": 3}),
     "uneven_reach_zero3": (
         lambda: GAN(reaches_on_rank_zero_only),
-        {"stage": 1, "engines": {"discriminator": {"zero_optimization": {"stage": 3}}}},
+        {"stage": 1, "engine_configs": {"discriminator": {"zero_optimization": {"stage": 3}}}},
     ),
     **{f"full_gradients_in_no_sync_zero{s}": (lambda: GAN(reads_inside_no_sync), {"stage": s}) for s in (2, 3)},
 }
