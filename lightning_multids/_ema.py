@@ -24,9 +24,9 @@ import torch
 from deepspeed.runtime.zero.utils import is_zero_param
 from torch import nn
 
+from lightning_multids._blocks import whole
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._config import merge
-from lightning_multids._gathering import whole
 
 EmaArgument = Mapping[str, "tuple[str, float] | list[Any]"]
 """``{average_name: (source_name, decay)}``, as ``MultiDeepSpeedStrategy(ema=...)`` takes it."""

@@ -1,14 +1,14 @@
-"""The engines of one fit, and what the strategy asks of them between setup and teardown.
+"""The engines of one fit, one record each, and what the strategy asks of them between setup and teardown.
 
 :mod:`lightning_multids._lifecycle` builds an :class:`EngineSet` at setup and releases it at teardown; in
-between, the strategy's hooks call it: a backward (:meth:`EngineSet.backward`), ``no_sync``, clearing,
-``full_gradients``, and the checks Lightning's loop needs.
+between, the strategy's hooks call it: a backward (:meth:`EngineSet.backward`), the records a block needs
+(:mod:`lightning_multids._blocks`), clearing, ``full_gradients``, and the checks Lightning's loop needs.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_multids._blocks import NO_SYNC
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._config import merge
 from lightning_multids._discovery import UNWALKED, reached_engines
@@ -30,30 +31,64 @@ from lightning_multids._routing import Router, refuse_uneven_zero3
 
 
 @dataclass
-class EngineSet:
-    """The engines of a LightningModule, the optimizers Lightning sees for them, and their bookkeeping."""
+class EngineRecord:
+    """One engine of a fit: everything the strategy keeps about it, in one place."""
 
-    engines: dict[str, DeepSpeedEngine] = field(default_factory=dict)
-    optimizers: list[EngineOptimizer] = field(default_factory=list)
+    name: str
+    """The submodule's attribute name."""
+    engine: DeepSpeedEngine
+    optimizer: EngineOptimizer | None = None
+    """The optimizer Lightning sees for it; None for a frozen or EMA engine."""
+    handles: list[RemovableHandle] = field(default_factory=list)
+    """The hooks registered for it at setup, removed at teardown."""
+    blocks: list[str] = field(default_factory=list)
+    """The blocks it is inside now, outermost first (:mod:`lightning_multids._blocks`); its optimizer reads the same
+    list to refuse a step inside one."""
+
+
+@dataclass
+class EngineSet:
+    """The engines of a LightningModule, one :class:`EngineRecord` each by name, and the fit's bookkeeping."""
+
+    records: dict[str, EngineRecord] = field(default_factory=dict)
+    """Every engine by name, in the order they were built (trainable ones in optimizer order)."""
     scheduler_configs: list[LRSchedulerConfig] = field(default_factory=list)
     owners: dict[int, str] = field(default_factory=dict)
     """``id(parameter) -> engine name`` for the parameters of every trainable engine."""
     backward_calls: int = 0
     switched_to_manual: bool = False
     """Whether the strategy, not the user, put the module in manual optimization (several trainable engines)."""
-    handles: dict[str, list[RemovableHandle]] = field(default_factory=dict)
-    """The hooks registered for each engine at setup, removed at teardown."""
     router: Router = field(default_factory=Router)
     """Routes each backward through the trainable engines it reaches."""
-    gathering: set[str] = field(default_factory=set)
-    """The engines inside a ``strategy.gathered(name)`` block."""
     averager: Averager | None = None
     """Updates the EMA engines after their sources' steps (``MultiDeepSpeedStrategy(ema=...)``)."""
 
+    @classmethod
+    def of(
+        cls,
+        engines: Mapping[str, DeepSpeedEngine],
+        optimizers: Sequence[EngineOptimizer] = (),
+        owners: Mapping[int, str] | None = None,
+    ) -> EngineSet:
+        """A set of already built engines and their optimizers (matched by name), e.g. for a test."""
+        by_name = {optimizer.name: optimizer for optimizer in optimizers}
+        records = {name: EngineRecord(name, engine, by_name.pop(name, None)) for name, engine in engines.items()}
+        records.update({name: EngineRecord(name, None, optimizer) for name, optimizer in by_name.items()})  # type: ignore[arg-type]
+        return cls(records=records, owners=dict(owners or {}))
+
+    @property
+    def engines(self) -> dict[str, DeepSpeedEngine]:
+        """Every engine by name."""
+        return {name: record.engine for name, record in self.records.items() if record.engine is not None}
+
+    @property
+    def optimizers(self) -> list[EngineOptimizer]:
+        """The trainable engines' optimizers, in the order Lightning sees them."""
+        return [record.optimizer for record in self.records.values() if record.optimizer is not None]
+
     def add(self, name: str, engine: DeepSpeedEngine, handles: list[RemovableHandle]) -> None:
         """Record an engine and the hooks registered for it; a frozen (inference) engine needs nothing more."""
-        self.engines[name] = engine
-        self.handles[name] = handles
+        self.records[name] = EngineRecord(name, engine, handles=handles)
 
     def add_trainable(
         self,
@@ -65,7 +100,8 @@ class EngineSet:
     ) -> None:
         """Record a trainable engine, its optimizer for Lightning, and the parameters a backward can reach."""
         self.add(name, engine, handles)
-        self.optimizers.append(EngineOptimizer(name, engine, optimizer, params))
+        record = self.records[name]
+        record.optimizer = EngineOptimizer(name, engine, optimizer, params, blocks=record.blocks)
         self.owners.update({id(p): name for p in engine.module.parameters()})
 
     def clip_by_default(
@@ -85,7 +121,7 @@ class EngineSet:
     @property
     def trainable_engines(self) -> dict[str, DeepSpeedEngine]:
         """The trainable engines by name, in optimizer order."""
-        return {o.name: self.engines[o.name] for o in self.optimizers if o.name in self.engines}
+        return {name: r.engine for name, r in self.records.items() if r.optimizer is not None and r.engine is not None}
 
     def _release_frozen_leftovers(self) -> None:
         """After a backward, ended or failed: release what it gathered of frozen ZeRO-3 engines and left gathered."""
@@ -108,7 +144,7 @@ class EngineSet:
                 f"during fit: {sorted(o.name for o in self.optimizers)}."
             )
         engine = trainable[name]
-        if ds_compat.in_no_sync(engine) and engine.zero_optimization_partition_gradients():
+        if NO_SYNC in self.records[name].blocks and engine.zero_optimization_partition_gradients():
             stage = engine.zero_optimization_stage()
             raise RuntimeError(
                 f"`full_gradients({name!r})` inside `strategy.no_sync(...)`: the ZeRO-{stage} "
@@ -199,11 +235,10 @@ class EngineSet:
             "you mean to train."
         )
 
-    def for_no_sync(self, names: tuple[str, ...]) -> dict[str, DeepSpeedEngine]:
-        """The trainable engines called ``names`` (all of them when empty) for a ``no_sync`` block.
+    def for_no_sync(self, names: tuple[str, ...]) -> list[EngineRecord]:
+        """The records of the trainable engines called ``names`` (all of them when empty) for a ``no_sync`` block.
 
-        Refuses names that are not trainable engines, engines already in a ``no_sync`` block, and a call
-        outside fit.
+        Refuses names that are not trainable engines, and a call outside fit.
         """
         what = "no_sync"
         trainable = [optimizer.name for optimizer in self.optimizers]
@@ -216,11 +251,7 @@ class EngineSet:
             raise ValueError(
                 f"`{what}` got {unknown}, which are not trainable engines{reason}. Choose from {trainable}."
             )
-        chosen = {name: self.engines[name] for name in names or trainable}
-        nested = [name for name, engine in chosen.items() if ds_compat.in_no_sync(engine)]
-        if nested:
-            raise RuntimeError(f"`{what}`: the engines {nested} are already inside `no_sync`; don't nest the blocks.")
-        return chosen
+        return [self.records[name] for name in names or trainable]
 
     def check_loss_was_used(self, output: Any) -> None:
         """Raise where it is certain that a module will never train: written for automatic optimization.

@@ -1,4 +1,6 @@
-"""Gradient state between a backward and ``step()``: kept local (``no_sync``), and read whole.
+"""Gradients between a backward and ``step()``, read whole.
+
+Keeping them local (``no_sync``) is a block, in :mod:`lightning_multids._blocks`.
 
 Clearing and resetting an engine's gradients touch DeepSpeed's internals, so they live in
 :mod:`lightning_multids._compat.deepspeed` (``clear_gradients``, ``abandon_backward``, ``abandon_step``).
@@ -6,41 +8,10 @@ Clearing and resetting an engine's gradients touch DeepSpeed's internals, so the
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-
 import torch
 from deepspeed import DeepSpeedEngine
 
 from lightning_multids._compat import deepspeed as ds_compat
-
-
-@contextmanager
-def no_sync(engines: Mapping[str, DeepSpeedEngine]) -> Iterator[None]:
-    """Keep the gradients of ``engines`` local during the body; reduce each engine once when it ends.
-
-    Under this strategy (``engine.step()`` is the accumulation boundary) stages 0 and 1 reduce only in
-    ``step()``, so several backwards already cost one reduction; stages 2 and 3 reduce (reduce-scatter)
-    during every backward. Inside the block, ZeRO-2/3 engines instead accumulate whole gradients in
-    ``param.grad`` (:func:`~lightning_multids._compat.deepspeed.start_no_sync`), and on exit every rank reduces them
-    once, in the same order, into the partitions, where they add to whatever earlier backwards of this step
-    reduced. ``engine.step()`` refuses to run inside the block.
-
-    On an exception the gradients of the block are dropped instead: reducing on only the ranks that
-    got here would leave the others waiting.
-    """
-    for engine in engines.values():
-        ds_compat.start_no_sync(engine)
-    try:
-        yield
-    except BaseException:
-        for engine in engines.values():
-            ds_compat.stop_no_sync(engine)
-            ds_compat.clear_gradients(engine)
-        raise
-    for name in sorted(engines):  # the same collective order on every rank
-        ds_compat.stop_no_sync(engines[name])
-        ds_compat.reduce_local_gradients(engines[name])
 
 
 def full_gradients(engine: DeepSpeedEngine, name: str, present: bool = True) -> dict[str, torch.Tensor]:

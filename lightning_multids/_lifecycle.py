@@ -181,9 +181,9 @@ def release_engines(engines: EngineSet) -> None:
     """
     for optimizer in engines.optimizers:
         optimizer.release()
-    for name, engine in engines.engines.items():
-        detach(engine, engines.handles.get(name, []))
-    engines.handles.clear()
+    for record in engines.records.values():
+        detach(record.engine, record.handles)
+        record.handles = []
 
 
 def build_engine(

@@ -12,6 +12,7 @@ from deepspeed import DeepSpeedEngine
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_multids._blocks import refuse_step
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.torch import step_hooks_or_profiler, step_post_hooks
 from lightning_multids._nonfinite import NonFiniteGradients, skip_nonfinite_steps
@@ -62,8 +63,6 @@ class _StepState:
     has_gradients: bool = False
     configured_clipping: float | None = None
     """The engine's own clipping, while ``clip_next_step`` overrides it for one step."""
-    inside: str = ""
-    """The block the engine is in, where it cannot step: ``strategy.offloaded(...)`` or ``strategy.gathered(...)``."""
 
 
 class EngineOptimizer(Optimizer):
@@ -82,6 +81,8 @@ class EngineOptimizer(Optimizer):
         engine: the DeepSpeed engine.
         optimizer: the optimizer from ``configure_optimizers`` the engine was built with.
         params: that optimizer's parameters per group, recorded before DeepSpeed replaced them.
+        blocks: the blocks the engine is inside now (its record's list, :mod:`lightning_multids._blocks`), where
+            ``step()`` refuses to run.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class EngineOptimizer(Optimizer):
         engine: DeepSpeedEngine,
         optimizer: Optimizer,
         params: Sequence[list[torch.nn.Parameter]],
+        blocks: list[str] | None = None,
     ) -> None:
         # Optimizer.__init__ is not called: the parameters and state live in the engine's optimizer. What torch's
         # step hooks need is set here; `step` runs them through torch's hook runner (`_stepped_with_hooks`).
@@ -101,6 +103,8 @@ class EngineOptimizer(Optimizer):
         self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
         self._state = _StepState()
+        self.blocks: list[str] = [] if blocks is None else blocks
+        """The blocks the engine is inside now (read, never replaced: the engine's record holds the same list)."""
         self.manual = True
         """Whether the module runs manual optimization (set by the strategy)."""
         self.after_step: Callable[[str], None] | None = None
@@ -115,15 +119,6 @@ class EngineOptimizer(Optimizer):
     @has_gradients.setter
     def has_gradients(self, value: bool) -> None:
         self._state.has_gradients = value
-
-    @property
-    def inside(self) -> str:
-        """The block the engine is in now (``strategy.offloaded('critic')``...), where it cannot step; or ``""``."""
-        return self._state.inside
-
-    @inside.setter
-    def inside(self, block: str) -> None:
-        self._state.inside = block
 
     @property
     def param_groups(self) -> list[MutableMapping]:  # type: ignore[override]
@@ -200,16 +195,7 @@ class EngineOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.inside:
-            raise RuntimeError(
-                f"`opt.step()` of engine {self.name!r} inside `{self.inside}`, where the engine cannot step (its "
-                "states are off the device, or its weights whole outside ZeRO-3). Call `opt.step()` after the block."
-            )
-        if ds_compat.in_no_sync(self.engine):
-            raise RuntimeError(
-                f"`opt.step()` of engine {self.name!r} inside `strategy.no_sync(...)`: its gradients are not reduced "
-                "until the block ends. Call `opt.step()` after the `with` block."
-            )
+        refuse_step(self.name, self.blocks)
         if not self.has_gradients:
             self._refuse_empty_step()
             return loss  # automatic optimization: training_step returned None, Lightning skips the step

@@ -45,9 +45,9 @@ from torch import nn
 
 from lightning_multids import _huggingface as huggingface
 from lightning_multids import _loading as loading
+from lightning_multids._blocks import whole
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.deepspeed import stage0_weights
-from lightning_multids._gathering import whole
 
 __all__ = ["consolidated_state_dicts", "export"]
 

@@ -27,9 +27,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_multids import _accelerator as ds_accelerator
-from lightning_multids import _gradients as gradients
 from lightning_multids import _loading as loading
 from lightning_multids import checkpoint as checkpoints
+from lightning_multids._blocks import Arrival, gathered, no_sync, offloaded
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.lightning import (
     apply_layer_sync,
@@ -43,7 +43,6 @@ from lightning_multids._discovery import check_engine_names
 from lightning_multids._ema import EmaArgument, average_entries, check_average_names, parse_averages
 from lightning_multids._engines import EngineSet
 from lightning_multids._environment import hide_zero_deprecations, keep_extensions_in_environment
-from lightning_multids._gathering import Arrival, gathered
 from lightning_multids._lifecycle import (
     agree_on_failure,
     build_engines,
@@ -54,7 +53,6 @@ from lightning_multids._lifecycle import (
     zero3_init,
 )
 from lightning_multids._model_summary import count_partitioned
-from lightning_multids._offload import offloaded
 from lightning_multids._planning import check_clip_algorithm, warn_gradient_readers
 from lightning_multids._precision import EnginePrecision
 
@@ -366,7 +364,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         At ZeRO-2/3 the engine holds a whole, unpartitioned gradient per rank during the block (what
         ZeRO-1 holds anyway); at stages 0/1 reduction already happens once per step, in ``step()``.
         """
-        with gradients.no_sync(self._engine_set.for_no_sync(names)):
+        with no_sync(self._engine_set.for_no_sync(names)):
             yield
 
     @contextmanager
@@ -392,7 +390,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             with torch.no_grad():
                 yield plain
             return
-        with gathered(name, engines.engines, engines.gathering, engines.optimizers, self._arrival) as module:
+        with gathered(name, engines.records, self._arrival) as module:
             yield module
 
     def _whole_outside_fit(self, name: str) -> torch.nn.Module | None:
@@ -418,7 +416,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         of ZeRO-1/2 engines, and of ZeRO-3 ones only with its ``FusedAdam``; other engines are refused, naming
         the engine and why.
         """
-        with offloaded(names, self._engine_set.optimizers, self._engine_set.frozen_names()):
+        with offloaded(names, self._engine_set.records):
             yield
 
     def full_gradients(self, name: str) -> dict[str, Tensor]:

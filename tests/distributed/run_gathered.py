@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids._blocks import BlockError
 from tests import patterns
 from tests.distributed.common import cpu_trainer, finish, sharded_loader
 
@@ -78,7 +79,7 @@ class GatheredGAN(pl.LightningModule):
         try:
             with strategy.gathered("generator"), strategy.gathered("generator"):
                 pass
-        except ValueError as error:
+        except BlockError as error:
             self.seen["errors"].append(str(error))
         try:
             with strategy.gathered("critic"):

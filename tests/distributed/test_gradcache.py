@@ -87,4 +87,4 @@ def test_step_inside_no_sync_and_nesting_fail_clearly(results: tuple[int, dict])
     errors = cases["misuse"]["errors"]
     assert "`opt.step()` of engine 'query_encoder' inside `strategy.no_sync(...)`" in errors["step"], errors
     assert "Call `opt.step()` after the `with` block" in errors["step"]
-    assert "already inside `no_sync`; don't nest the blocks" in errors["nested"], errors
+    assert "are inside `strategy.no_sync(...)` already; don't nest them" in errors["nested"], errors

@@ -259,7 +259,7 @@ def test_a_hidden_graph_that_reaches_no_engine_is_refused_after_its_backward() -
     calls: list[tuple[str, str]] = []
     engines = {name: FakeEngine(name, graph.modules[name], calls) for name in TRAINABLE}
     optimizers = [SimpleNamespace(name=name, has_gradients=False) for name in TRAINABLE]
-    engine_set = EngineSet(engines=engines, optimizers=optimizers, owners=graph.owners())  # type: ignore[arg-type]
+    engine_set = EngineSet.of(engines, optimizers, graph.owners())  # type: ignore[arg-type]
     for name, engine in engines.items():
         engine_set.router.watch(name, engine)  # type: ignore[arg-type]
     x = torch.randn(2, 4, requires_grad=True)

@@ -109,7 +109,7 @@ def test_reached_engines_skips_an_engine_whose_gradients_are_off() -> None:
 def test_loss_reaching_no_trainable_engine_is_refused() -> None:
     gan = GAN()
     stand_ins = [SimpleNamespace(name="generator"), SimpleNamespace(name="discriminator")]
-    engines = EngineSet(optimizers=stand_ins, owners=owners_of(gan))  # type: ignore[arg-type]
+    engines = EngineSet.of({}, stand_ins, owners_of(gan))  # type: ignore[arg-type]
     loss = gan.generator(torch.randn(2, 4)).detach().requires_grad_().sum()
     with (
         pytest.raises(
@@ -122,7 +122,7 @@ def test_loss_reaching_no_trainable_engine_is_refused() -> None:
 
 
 def test_returned_loss_without_manual_backward_is_refused_only_where_nothing_can_train() -> None:
-    engines = EngineSet(optimizers=[SimpleNamespace(name="generator")])  # type: ignore[list-item]
+    engines = EngineSet.of({}, [SimpleNamespace(name="generator")])  # type: ignore[list-item]
     loss = torch.ones(1, requires_grad=True).sum()
     engines.check_loss_was_used({"loss": loss})  # the user chose manual optimization: allowed, as in Lightning
     engines.switched_to_manual = True  # written for the automatic loop, switched by the strategy
@@ -185,7 +185,7 @@ class ScaledEngine(FakeEngine):
 def engine_set(engines: dict[str, FakeEngine]) -> EngineSet:
     optimizers = [SimpleNamespace(name=name, has_gradients=False) for name in engines]
     owners = {id(p): name for name, e in engines.items() for p in e.module.parameters()}
-    routed = EngineSet(engines=engines, optimizers=optimizers, owners=owners)  # type: ignore[arg-type]
+    routed = EngineSet.of(engines, optimizers, owners)  # type: ignore[arg-type]
     for name, engine in engines.items():
         routed.router.watch(name, engine)  # type: ignore[arg-type]
     return routed

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_multids._blocks import NO_SYNC, BlockError, inside, no_sync
 from lightning_multids._engines import EngineSet
 from lightning_multids.utilities.gradcache import grad_cache, info_nce
 
@@ -73,20 +74,22 @@ def test_bad_arguments_are_refused() -> None:
 
 def engine_set() -> EngineSet:
     engines = {name: SimpleNamespace(inside_no_sync_ctxt=False) for name in ("query", "doc", "teacher")}
-    return EngineSet(engines=engines, optimizers=[SimpleNamespace(name="query"), SimpleNamespace(name="doc")])  # type: ignore[arg-type]
+    return EngineSet.of(engines, [SimpleNamespace(name="query"), SimpleNamespace(name="doc")])  # type: ignore[arg-type, list-item]
 
 
 def test_no_sync_selects_trainable_engines_and_refuses_the_rest() -> None:
     engines = engine_set()
-    assert list(engines.for_no_sync(())) == ["query", "doc"]
-    assert list(engines.for_no_sync(("doc",))) == ["doc"]
+    assert [record.name for record in engines.for_no_sync(())] == ["query", "doc"]
+    assert [record.name for record in engines.for_no_sync(("doc",))] == ["doc"]
     with pytest.raises(ValueError, match=r"\['teacher'\] are frozen: they have no gradients.*Choose from"):
         engines.for_no_sync(("teacher",))
     with pytest.raises(ValueError, match=r"got \['dock'\], which are not trainable engines\. Choose from"):
         engines.for_no_sync(("dock",))
-    engines.engines["doc"].inside_no_sync_ctxt = True
-    with pytest.raises(RuntimeError, match=r"\['doc'\] are already inside `no_sync`"):
-        engines.for_no_sync(())
+    with inside("no_sync", NO_SYNC, engines.for_no_sync(("doc",))):
+        with pytest.raises(BlockError, match=r"\['doc'\] are inside `strategy.no_sync\(...\)` already"):
+            no_sync(engines.for_no_sync(())).__enter__()
+        assert engines.records["doc"].blocks == [NO_SYNC] and not engines.records["query"].blocks
+    assert not engines.records["doc"].blocks
     with pytest.raises(RuntimeError, match="exist only during `Trainer.fit`"):
         EngineSet().for_no_sync(())
 

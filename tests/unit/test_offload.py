@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-from lightning_multids._offload import offloaded
+from lightning_multids._blocks import offloaded
+from lightning_multids._engines import EngineRecord
 
 
 class Engine:
@@ -24,18 +25,18 @@ class Engine:
         return self.offload_param
 
 
-def optimizer(name: str, engine: Engine) -> Any:
-    return SimpleNamespace(name=name, engine=engine, inside="")
+def records(name: str, engine: Engine) -> Any:
+    return {name: EngineRecord(name, engine, optimizer=SimpleNamespace(name=name))}  # type: ignore[arg-type]
 
 
 def test_no_names_is_refused_with_the_names_to_choose_from() -> None:
     expected = r"`offloaded\(\)` needs the names of the engines to offload, e.g. \['critic'\]"
-    with pytest.raises(ValueError, match=expected), offloaded((), [optimizer("critic", Engine(2))], set()):
+    with pytest.raises(ValueError, match=expected), offloaded((), records("critic", Engine(2))):
         pass
 
 
 def test_an_engine_with_offloaded_parameters_is_refused_by_name() -> None:
     engine = Engine(3, SimpleNamespace(device=OffloadDeviceEnum.cpu))
     expected = r"`offloaded\('actor'\)`: .*its parameters are offloaded already"
-    with pytest.raises(ValueError, match=expected), offloaded(("actor",), [optimizer("actor", engine)], set()):
+    with pytest.raises(ValueError, match=expected), offloaded(("actor",), records("actor", engine)):
         pass

@@ -1,0 +1,298 @@
+"""The blocks an engine can be inside: ``no_sync``, ``gathered`` and ``offloaded``; one validator for all three.
+
+* :func:`no_sync`: gradients kept local during the block, reduced once when it ends.
+* :func:`gathered`: a ZeRO-3 engine's submodule whole for the block. Under ZeRO-3 each forward gathers a
+  submodule's parameters and releases them after it, layer by layer; an autoregressive ``generate`` would gather
+  the whole model once per token. The block gathers it once, takes ZeRO-3's per-layer hooks off so the block runs
+  it as a plain module, and partitions it again at the end (as TRL's ``unwrap_model_for_generation`` does). The
+  cost: the whole submodule, in its engine's dtype, on every rank during the block.
+* :func:`offloaded`: engines put to sleep, their states moved to host memory with DeepSpeed's
+  ``engine.offload_states()`` and back with ``engine.reload_states()`` (what OpenRLHF does between RLHF phases).
+  DeepSpeed 0.19.8 moves the states of ZeRO-1/2 optimizers, and of ZeRO-3 ones only when the optimizer is its
+  ``FusedAdam`` (a CUDA op); it has nothing to move for a frozen engine and refuses engines that offload their
+  parameters (``offload_param``). Those are refused, naming the engine.
+
+Each engine's record (:class:`~lightning_multids._engines.EngineRecord`) lists the blocks it is inside now.
+:func:`inside` is the one place that enters and leaves a block: it refuses a block of a kind the engine is in
+already (``gathered`` and ``offloaded`` count as one kind: each takes the weights out of training), and
+:func:`refuse_step` is what an engine's optimizer calls before it steps. Misuse raises :class:`BlockError`; an
+engine name that does not exist is a ``ValueError``, as for every other argument.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import deepspeed
+import torch
+from deepspeed import DeepSpeedEngine
+from deepspeed.ops.adam import FusedAdam
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from deepspeed.runtime.zero.utils import is_zero_param
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_multids._compat import deepspeed as ds_compat
+
+if TYPE_CHECKING:
+    from lightning_multids._engines import EngineRecord
+
+NO_SYNC = "strategy.no_sync(...)"
+_EXCLUDES = {
+    "strategy.no_sync": {"strategy.no_sync"},
+    "strategy.gathered": {"strategy.gathered", "strategy.offloaded"},
+    "strategy.offloaded": {"strategy.gathered", "strategy.offloaded"},
+}
+"""For each kind of block, the kinds an engine must not be inside already when it enters one."""
+
+
+class BlockError(RuntimeError):
+    """A block used where it cannot work: nested in a block of its kind, or an engine stepped inside one."""
+
+
+def _kind(block: str) -> str:
+    return block.split("(", 1)[0]
+
+
+@contextmanager
+def inside(what: str, block: str, records: Sequence[EngineRecord]) -> Iterator[None]:
+    """Put ``records`` inside ``block`` for the body (``what`` is the call, as the user wrote it, for errors).
+
+    Raises:
+        BlockError: an engine is inside a block of a kind that ``block`` excludes (see the module).
+    """
+    busy = [
+        (record.name, held) for record in records for held in record.blocks if _kind(held) in _EXCLUDES[_kind(block)]
+    ]
+    if busy:
+        names = sorted({name for name, _ in busy})
+        named = len(records) == 1 and repr(records[0].name) in what  # the call names its one engine
+        subject = "the engine is" if named else f"the engines {names} are"
+        raise BlockError(f"`{what}`: {subject} inside `{busy[0][1]}` already; don't nest them.")
+    for record in records:
+        record.blocks.append(block)
+    try:
+        yield
+    finally:
+        for record in records:
+            record.blocks.remove(block)
+
+
+def refuse_step(name: str, blocks: Sequence[str]) -> None:
+    """Raise :class:`BlockError` if engine ``name`` is inside a block (``blocks``), where it cannot step."""
+    if not blocks:
+        return
+    if NO_SYNC in blocks:
+        raise BlockError(
+            f"`opt.step()` of engine {name!r} inside `{NO_SYNC}`: its gradients are not reduced until the block ends. "
+            "Call `opt.step()` after the `with` block."
+        )
+    raise BlockError(
+        f"`opt.step()` of engine {name!r} inside `{blocks[-1]}`, where the engine cannot step (its states are off the "
+        "device, or its weights whole outside ZeRO-3). Call `opt.step()` after the block."
+    )
+
+
+# ---- no_sync ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def no_sync(records: Sequence[EngineRecord]) -> Iterator[None]:
+    """Keep the gradients of the engines local during the body; reduce each engine once when it ends.
+
+    Under this strategy (``engine.step()`` is the accumulation boundary) stages 0 and 1 reduce only in
+    ``step()``, so several backwards already cost one reduction; stages 2 and 3 reduce (reduce-scatter)
+    during every backward. Inside the block, ZeRO-2/3 engines instead accumulate whole gradients in
+    ``param.grad`` (:func:`~lightning_multids._compat.deepspeed.start_no_sync`), and on exit every rank reduces them
+    once, in the same order, into the partitions, where they add to whatever earlier backwards of this step
+    reduced. ``engine.step()`` refuses to run inside the block.
+
+    On an exception the gradients of the block are dropped instead: reducing on only the ranks that
+    got here would leave the others waiting.
+    """
+    with inside("no_sync", NO_SYNC, records):
+        for record in records:
+            ds_compat.start_no_sync(record.engine)
+        try:
+            yield
+        except BaseException:
+            for record in records:
+                ds_compat.stop_no_sync(record.engine)
+                ds_compat.clear_gradients(record.engine)
+            raise
+        for record in sorted(records, key=lambda record: record.name):  # the same collective order on every rank
+            ds_compat.stop_no_sync(record.engine)
+            ds_compat.reduce_local_gradients(record.engine)
+
+
+# ---- gathered --------------------------------------------------------------------------------------------
+
+
+class Arrival:
+    """Every rank checks in before a block's collectives, within a bounded time, in a gloo group of its own.
+
+    A block entered on some ranks only (e.g. under ``if self.global_rank == 0``) would otherwise wait in its first
+    all-gather until the process group's timeout (30 minutes by default), or meet another collective of the ranks
+    that went on and exchange the wrong tensors. The check-in is an all-gather of the block's name (a checksum) in
+    a gloo group whose timeout is ``timeout``: it never meets the blocks' own collectives, whatever the backend, and
+    it fails on every rank that waits. (``torch.distributed.monitored_barrier`` bounds the wait on rank 0 only.)
+    Creating the group is a collective: every rank does it at the same point of setup.
+    """
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+        self.group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+
+    def __call__(self, block: str) -> None:
+        """Wait until every rank is at ``block``; raise a RuntimeError after ``timeout``, or if a rank is elsewhere."""
+        mine = torch.tensor([zlib.crc32(block.encode())], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size(self.group))]
+        try:
+            torch.distributed.all_gather(everyone, mine, group=self.group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"`{block}` did not meet every rank within {self.timeout} ({error}). It gathers the ZeRO-3 "
+                "engine's partitions from every rank, so every rank must enter it, at the same point: don't put it "
+                "under a condition that differs between ranks (such as `if self.global_rank == 0`). If some ranks "
+                "only arrive later, raise `MultiDeepSpeedStrategy(gathered_timeout=...)`."
+            ) from error
+        elsewhere = [rank for rank, code in enumerate(everyone) if not torch.equal(code, mine)]
+        if elsewhere:
+            raise RuntimeError(
+                f"`{block}`: rank(s) {elsewhere} entered another block at the same time. Every rank must enter the "
+                "same `gathered` blocks in the same order."
+            )
+
+    def close(self) -> None:
+        """Destroy the group (no collective)."""
+        torch.distributed.destroy_process_group(self.group)
+
+
+@contextmanager
+def gathered(
+    name: str, records: Mapping[str, EngineRecord], arrive: Callable[[str], None] | None = None
+) -> Iterator[nn.Module]:
+    """Make engine ``name``'s submodule whole on this rank for the block, under ``torch.no_grad()``; yield it.
+
+    A collective call: every rank enters the block (the gathering and the partitioning are all-gathers). At
+    ZeRO-0/1/2 the submodule is whole already and only ``no_grad`` applies. A trained engine's optimizer refuses
+    to step inside the block. ``arrive(block)``, where given, returns once every rank is at the block (an
+    :class:`Arrival`), and is called before the gathering.
+
+    Raises:
+        ValueError: there is no engine ``name``.
+        BlockError: it is inside a ``gathered`` or ``offloaded`` block already.
+    """
+    if name not in records:
+        raise ValueError(
+            f"`gathered({name!r})`: there is no engine {name!r} now (engines: {sorted(records)}). Engines exist "
+            "from setup to teardown of fit, validate, test and predict; name a submodule that has one."
+        )
+    record = records[name]
+    block = f"strategy.gathered({name!r})"
+    with inside(f"gathered({name!r})", block, [record]):
+        engine = record.engine
+        params = [param for param in engine.module.parameters() if is_zero_param(param)]
+        if params and arrive is not None:
+            arrive(block)
+        with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+            restore = ds_compat.suspend_zero3_hooks(engine) if params else None
+            try:
+                yield engine.module
+            finally:
+                if restore is not None:
+                    restore()
+
+
+def whole(params: Iterable[nn.Parameter]) -> AbstractContextManager:
+    """``deepspeed.zero.GatheredParameters`` over those of ``params`` ZeRO-3 holds partitioned now; a collective call.
+
+    Inside :func:`gathered` a submodule's parameters are whole already, and DeepSpeed refuses to gather them again
+    ("Nested GatheredParameters contexts cannot overlap"); they are read as they are. So are the small ones ZeRO-3
+    keeps whole between forwards. Every rank is in the same blocks, so every rank gathers the same list.
+    """
+    partitioned = [param for param in params if is_zero_param(param) and not ds_compat.is_gathered(param)]
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None, enabled=bool(partitioned))
+
+
+# ---- offloaded -------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def offloaded(names: tuple[str, ...], records: Mapping[str, EngineRecord]) -> Iterator[None]:
+    """Move the states of the trainable engines ``names`` off the device for the block; reload them after it.
+
+    Raises:
+        ValueError: a name is not a trainable engine, or DeepSpeed cannot move its states (see the module).
+        BlockError: an engine is inside a ``gathered`` or ``offloaded`` block already.
+    """
+    chosen = _choose(names, records)
+    with ExitStack() as stack:
+        for record in chosen:  # every engine is checked before any moves
+            stack.enter_context(inside(f"offloaded({record.name!r})", f"strategy.offloaded({record.name!r})", [record]))
+        for record in chosen:
+            stack.enter_context(_asleep(record))
+        yield
+
+
+def _choose(names: tuple[str, ...], records: Mapping[str, EngineRecord]) -> list[EngineRecord]:
+    trainable = sorted(name for name, record in records.items() if record.optimizer is not None)
+    if not names:
+        raise ValueError(f"`offloaded()` needs the names of the engines to offload, e.g. {trainable}.")
+    chosen = []
+    for name in names:
+        if name not in trainable:
+            frozen = name in records
+            reason = " (a frozen engine has no optimizer states: offload its parameters with ZeRO-3's `offload_param`)"
+            raise ValueError(
+                f"`offloaded({name!r})`: there is no trainable engine {name!r}{reason if frozen else ''}. "
+                f"Trainable engines exist during fit: {trainable}."
+            )
+        _check_supported(name, records[name].engine)
+        chosen.append(records[name])
+    return chosen
+
+
+def _check_supported(name: str, engine: DeepSpeedEngine) -> None:
+    stage = engine.zero_optimization_stage()
+    offload_param = engine.zero_offload_param()
+    problem = ""
+    if stage == 0:
+        problem = "it is at ZeRO-0, whose optimizer DeepSpeed cannot move; give it stage 1, 2 or 3"
+    elif offload_param is not None and offload_param.device != OffloadDeviceEnum.none:
+        problem = "its parameters are offloaded already (`offload_param`), which DeepSpeed refuses to combine"
+    elif stage == 3 and not isinstance(ds_compat.torch_optimizer(engine), FusedAdam):
+        problem = (
+            "it is at ZeRO-3, where DeepSpeed moves optimizer states only of its own FusedAdam (a CUDA op: "
+            "`deepspeed.ops.adam.FusedAdam` in `configure_optimizers`, or an `optimizer` section in its config); "
+            "or give it stage 1 or 2"
+        )
+    if problem:
+        raise ValueError(f"`offloaded({name!r})`: DeepSpeed cannot move the engine's states: {problem}.")
+
+
+@contextmanager
+def _asleep(record: EngineRecord) -> Iterator[None]:
+    engine = record.engine
+    pin = engine.device.type == "cuda"  # pinned host memory makes the copies back faster; a CPU has none
+    engine.offload_states(pin_memory=pin)
+    handle = _refuse_forward(record.name, engine.module)
+    try:
+        yield
+    finally:
+        handle.remove()
+        engine.reload_states()
+
+
+def _refuse_forward(name: str, module: nn.Module) -> RemovableHandle:
+    def refuse(*args: Any) -> None:
+        raise RuntimeError(
+            f"`self.{name}` was called inside `strategy.offloaded({name!r})`, where its weights and optimizer states "
+            "are off the device. Call it after the block, or leave it out of `offloaded(...)`."
+        )
+
+    return module.register_forward_pre_hook(refuse)
