@@ -258,7 +258,10 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "returned_loss_in_user_manual": (lambda: UserManual(skips_odd_batches), {}),
     "accumulate_when_switched": (lambda: GAN(returns_loss), {}),
     "detached_loss": (lambda: GAN(detached_loss), {}),
-    "scheduler_stepped_by_user": (lambda: GAN(steps_scheduler, "generator"), {"engine_configs": {"discriminator": SCHEDULED}}),
+    "scheduler_stepped_by_user": (
+        lambda: GAN(steps_scheduler, "generator"),
+        {"engine_configs": {"discriminator": SCHEDULED}},
+    ),
     "forced_automatic": (lambda: ForcedAutomatic(returns_loss), {}),
     "batch_contradiction": (
         lambda: GAN(returns_loss),
