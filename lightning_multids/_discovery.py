@@ -33,6 +33,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._compat.torch import forward_class
 
 _REENTRANT = (torch.utils.checkpoint.CheckpointFunction, *ds_compat.reentrant_checkpoint_functions())
 
@@ -81,7 +82,7 @@ def reached_engines(loss: torch.Tensor, owners: Mapping[int, str]) -> Reach:
             if name is not None:
                 found.add(name)
             continue
-        if getattr(node, "_forward_cls", None) in _REENTRANT:
+        if forward_class(node) in _REENTRANT:
             hidden = True
         for child, _ in node.next_functions:
             if child is not None and child not in seen:

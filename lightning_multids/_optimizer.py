@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_multids._blocks import refuse_step
 from lightning_multids._compat import deepspeed as ds_compat
-from lightning_multids._compat.torch import step_hooks_or_profiler, step_post_hooks
+from lightning_multids._compat.torch import init_step_hooks, step_hooks_or_profiler, step_post_hooks
 from lightning_multids._nonfinite import NonFiniteGradients, skip_nonfinite_steps
 
 
@@ -100,8 +99,7 @@ class EngineOptimizer(Optimizer):
         self.optimizer = optimizer
         self._params = list(params)
         self.defaults = optimizer.defaults
-        self._optimizer_step_pre_hooks: dict[int, Callable] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable] = OrderedDict()
+        init_step_hooks(self)
         self._state = _StepState()
         self.blocks: list[str] = [] if blocks is None else blocks
         """The blocks the engine is inside now (read, never replaced: the engine's record holds the same list)."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from deepspeed import DeepSpeedEngine
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -49,7 +50,8 @@ class EnginePrecision(Precision):
         """
         if not clip_val or clip_val <= 0:
             return
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer from self.optimizers()
+        if isinstance(optimizer, LightningOptimizer):  # from self.optimizers()
+            optimizer = optimizer.optimizer
         assert isinstance(optimizer, EngineOptimizer)
         algorithm = GradClipAlgorithmType(gradient_clip_algorithm)
         if algorithm != GradClipAlgorithmType.NORM:

@@ -36,6 +36,8 @@ from lightning_multids._compat.lightning import (
     forget_requested,
     process_group_backend,
     should_accumulate,
+    store_precision_plugin,
+    stored_precision_plugin,
     trainer_of,
 )
 from lightning_multids._config import load_config, validate_stage, zero3_init_config
@@ -194,14 +196,15 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     @property  # type: ignore[override]
     def precision_plugin(self) -> Precision:
         """The strategy's precision plugin (an :class:`EnginePrecision`)."""
-        return self._precision_plugin if self._precision_plugin is not None else EnginePrecision()
+        plugin = stored_precision_plugin(self)
+        return plugin if plugin is not None else EnginePrecision()
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         # None stays None, so that Lightning's connector still hands us the plugin for the Trainer's flag.
         if plugin is not None and not isinstance(plugin, EnginePrecision):
             plugin = EnginePrecision(str(getattr(plugin, "precision", "32-true")))
-        self._precision_plugin = plugin
+        store_precision_plugin(self, plugin)
 
     # ---- set-up ---------------------------------------------------------------------------------------
 

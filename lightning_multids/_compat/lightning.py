@@ -20,6 +20,7 @@ from lightning.pytorch.core.optimizer import (
     _validate_scheduler_api,
 )
 from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource, _request_dataloader
@@ -34,6 +35,20 @@ from torch.optim import Optimizer
 def trainer_of(module: pl.LightningModule) -> pl.Trainer | None:
     """The module's trainer, or None when it has none (``module.trainer`` raises then): ``module._trainer``."""
     return module._trainer
+
+
+def stored_precision_plugin(strategy: pl.strategies.Strategy) -> Precision | None:
+    """The precision plugin a strategy holds, None if none yet (``Strategy._precision_plugin``).
+
+    Lightning's accelerator connector reads the same attribute to decide whether to hand the strategy the plugin
+    for the Trainer's ``precision`` flag.
+    """
+    return strategy._precision_plugin
+
+
+def store_precision_plugin(strategy: pl.strategies.Strategy, plugin: Precision | None) -> None:
+    """Set the precision plugin a strategy holds (``Strategy._precision_plugin``); None leaves it to the connector."""
+    strategy._precision_plugin = plugin
 
 
 def should_accumulate(trainer: pl.Trainer) -> bool:

@@ -6,7 +6,9 @@ one file.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.optim import optimizer as _optimizer
@@ -53,6 +55,21 @@ def step_hooks_or_profiler(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+def init_step_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that does not call ``Optimizer.__init__`` the hook registries torch's step hooks use.
+
+    ``register_step_pre_hook``/``_post_hook`` and torch's hook runner read ``_optimizer_step_pre_hooks`` and
+    ``_optimizer_step_post_hooks`` (ordered dicts, set in ``Optimizer.__init__``).
+    """
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+
+
+def forward_class(node: Any) -> type | None:
+    """The ``autograd.Function`` subclass whose backward an autograd node runs (``_forward_cls``), or None."""
+    return getattr(node, "_forward_cls", None)
+
+
 def step_post_hooks(optimizer: torch.optim.Optimizer) -> list[Callable[..., None]]:
     """The step post hooks torch's runner would call after ``optimizer.step()``: the optimizer's, then the global ones.
 
@@ -62,9 +79,10 @@ def step_post_hooks(optimizer: torch.optim.Optimizer) -> list[Callable[..., None
 
 
 def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, in one call (``torch._foreach_norm``).
+    """The L2 norm of each tensor, in fp32, in one call (``torch._foreach_norm``).
 
     One fused kernel per device and dtype on a GPU, one C++ loop on a CPU (where ``torch.nn.utils.get_total_norm``
-    loops in Python instead).
+    loops in Python instead). In fp32 whatever the tensors' dtype: an fp16 tensor's norm passes 65504 long before
+    its elements do.
     """
-    return list(torch._foreach_norm(tensors))
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))

@@ -1,15 +1,23 @@
 """Upstream private names live in ``lightning_multids/_compat/``, one module per upstream, and nowhere else.
 
-A private name is an underscore name of torch, Lightning or DeepSpeed: imported (``from lightning.x import
-_name``, or a module path with an underscore part, ``torch._C``) or read as an attribute (``module._trainer``)
-where the package itself defines no such name. DeepSpeed's undocumented parameter attributes (``ds_numel``,
-``partition_numel()``...) count too.
+A private name is an underscore name of torch, Lightning or DeepSpeed:
+
+* imported: ``from lightning.x import _name``, or a module path with an underscore part (``torch._C``, also as
+  ``importlib.import_module("torch._C")``);
+* read or set as an attribute where the package itself defines no such name: ``module._trainer``, and the same
+  by its name as a string (``getattr(node, "_forward_cls")``, ``vars(x)["_name"]``, ``x.__dict__["_name"]``);
+* an attribute of ``self`` in a class of the package whose torch, Lightning or DeepSpeed base class uses that
+  name (``self._precision_plugin`` in a ``Strategy``), even where the package assigns it.
+
+DeepSpeed's undocumented parameter attributes (``ds_numel``, ``partition_numel()``...) count too.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,9 +56,37 @@ def _own_names(trees: dict[Path, ast.Module]) -> set[str]:
     return names
 
 
+_BY_NAME = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _string(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _named_by_string(node: ast.AST, own: set[str]) -> str | None:
+    """A private name given as a string: ``getattr(x, "_n")``, ``vars(x)["_n"]``, ``x.__dict__["_n"]``, or a module
+    path with a private part given to ``import_module``."""
+    if isinstance(node, ast.Call) and len(node.args) >= 2 and ast.unparse(node.func) in _BY_NAME:
+        name = _string(node.args[1])
+        return name if name and _upstream_attribute(name, own) else None
+    if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args:
+        path = _string(node.args[0]) or ""
+        parts = path.split(".")
+        return path if parts[0] in UPSTREAMS and any(_private(part) for part in parts) else None
+    if isinstance(node, ast.Subscript):
+        holder = ast.unparse(node.value)
+        name = _string(node.slice)
+        if name and (holder.endswith(".__dict__") or holder.startswith("vars(")) and _upstream_attribute(name, own):
+            return name
+    return None
+
+
 def upstream_private_uses(tree: ast.Module, own: set[str]) -> Iterator[tuple[int, str]]:
     """Each use of an upstream private name in ``tree``: its line and the name."""
     for node in ast.walk(tree):
+        by_string = _named_by_string(node, own)
+        if by_string is not None:
+            yield node.lineno, by_string
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             parts = node.module.split(".")
             if parts[0] in UPSTREAMS:
@@ -70,6 +106,37 @@ def _upstream_attribute(name: str, own: set[str]) -> bool:
     return (_private(name) and name not in own) or name.startswith(DEEPSPEED_PARAMETER_ATTRIBUTES)
 
 
+def _upstream_sources(cls: type) -> str:
+    """The source of every torch, Lightning or DeepSpeed class ``cls`` derives from."""
+    sources = []
+    for base in cls.__mro__[1:]:
+        if base.__module__.split(".")[0] in UPSTREAMS:
+            with contextlib.suppress(OSError, TypeError):  # a class without Python source (C++)
+                sources.append(inspect.getsource(base))
+    return "\n".join(sources)
+
+
+def inherited_private_uses(path: Path, tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """``self._name`` in a class of the package where an upstream base class of it uses ``_name`` too."""
+    module = importlib.import_module(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+    for node in ast.walk(tree):
+        cls = getattr(module, node.name, None) if isinstance(node, ast.ClassDef) else None
+        if not isinstance(cls, type):
+            continue
+        upstream = _upstream_sources(cls)
+        if not upstream:
+            continue
+        for inner in ast.walk(node):
+            if (
+                isinstance(inner, ast.Attribute)
+                and isinstance(inner.value, ast.Name)
+                and inner.value.id == "self"
+                and _private(inner.attr)
+                and f".{inner.attr}" in upstream
+            ):
+                yield inner.lineno, f"self.{inner.attr} (of an upstream base class)"
+
+
 def test_no_upstream_private_name_outside_compat() -> None:
     trees = _trees()
     own = _own_names(trees)
@@ -77,7 +144,7 @@ def test_no_upstream_private_name_outside_compat() -> None:
         f"{path.relative_to(PACKAGE)}:{line}: {name}"
         for path, tree in trees.items()
         if COMPAT not in path.parents
-        for line, name in upstream_private_uses(tree, own)
+        for line, name in [*upstream_private_uses(tree, own), *inherited_private_uses(path, tree)]
     ]
     assert not found, "upstream private names outside lightning_multids/_compat/ (move each there):\n" + "\n".join(
         found
@@ -93,6 +160,11 @@ def test_the_scan_sees_each_kind_of_private_use() -> None:
         "size = param.ds_numel\n"
         "self._mine = 1\n"
         "value = self._mine\n"
+        "forward = getattr(node, '_forward_cls', None)\n"
+        "hooks = vars(strategy)['_layer_sync']\n"
+        "norm = engine.__dict__['_global_grad_norm']\n"
+        "c = importlib.import_module('torch._C')\n"
+        "mine = getattr(self, '_mine')\n"
     )
     names = [name for _, name in upstream_private_uses(ast.parse(code), _own_names({Path("x.py"): ast.parse(code)}))]
     assert names == [
@@ -102,6 +174,10 @@ def test_the_scan_sees_each_kind_of_private_use() -> None:
         "torch._dynamo",
         "module._trainer",
         "param.ds_numel",
+        "_forward_cls",
+        "_layer_sync",
+        "_global_grad_norm",
+        "torch._C",
     ]
 
 
