@@ -49,6 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids._compat.deepspeed import release_engine
 from lightning_multids._config import DEEPSPEED_REDUCE_BUCKET, DEEPSPEED_ZERO3, engine_config, merge
+from lightning_multids._environment import keep_extensions_in_environment
 
 SIZES = {  # hidden width x hidden layers of teacher and student, batch per process
     "cpu": {"teacher": (2048, 12), "student": (512, 2), "batch": 64},  # 47.8 M and 0.67 M parameters
@@ -234,6 +235,7 @@ def main() -> None:
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
+        keep_extensions_in_environment()  # as the strategy does: DeepSpeed builds its op in this venv
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     sides = "absc" if args.device == "cuda" else "abs"
     rank = int(os.environ.get("RANK", "0"))

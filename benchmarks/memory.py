@@ -43,6 +43,7 @@ from overhead import S, discriminator_loss, gan_modules, generator_loss, mlp
 
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids._config import DEEPSPEED_ZERO3, engine_config
+from lightning_multids._environment import keep_extensions_in_environment
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "buffers")
 
@@ -231,6 +232,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     S.update(hidden=args.hidden, gan_layers=args.layers)
     if args.mode == "states":
+        keep_extensions_in_environment()  # as the strategy does: DeepSpeed builds its op in this venv
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         states(args.stage)
     else:
