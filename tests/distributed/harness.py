@@ -1,7 +1,10 @@
-"""Run a script on 2 CPU ranks over gloo, as Lightning's cluster environment expects, with a timeout.
+"""Run code on 2 CPU ranks over gloo, as Lightning's cluster environment expects, with a timeout.
 
 Each rank is its own process with ``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE`` and a free loopback
 port, so Lightning does not re-launch anything; a rank that hangs or fails fails the test.
+
+:func:`on_ranks` runs a function of the test module itself on every rank and returns each rank's result, so a
+test keeps its rank code beside its assertions; :func:`run_ranks` runs a script (the older ``run_*.py`` runners).
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,6 +55,7 @@ def run_ranks(
             WORLD_SIZE=str(world_size),
             NODE_RANK=str(rank if nodes > 1 else 0),
             LOCAL_RANK=str(0 if nodes > 1 else rank),
+            TEST_RANK=str(rank),
             TEST_NUM_NODES=str(nodes),
             PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
             OMP_NUM_THREADS="1",
@@ -74,3 +82,29 @@ def run_ranks(
         if proc.returncode != 0:
             raise AssertionError(f"rank {rank} of {script.name} exited with {proc.returncode}:\n{out[-6000:]}")
     return outputs
+
+
+def on_ranks(
+    function: Callable[..., Any],
+    *args: Any,
+    world_size: int = 2,
+    timeout: float = 300.0,
+    env: dict[str, str | None] | None = None,
+    nodes: int = 1,
+) -> list[Any]:
+    """Call ``function(*args)`` on every rank, each in a process of its own; return the results in rank order.
+
+    ``function`` is a module-level function of an importable module (a test module's own), and ``args`` and
+    its result go through ``torch.save``. A rank that fails or hangs fails the caller, with its output.
+    """
+    if "<locals>" in function.__qualname__ or function.__module__ == "__main__":
+        raise ValueError(f"on_ranks runs module-level functions of importable modules, not {function.__qualname__}")
+    with tempfile.TemporaryDirectory() as folder:
+        arguments, out = Path(folder) / "args.pt", Path(folder) / "result"
+        torch.save(args, arguments)
+        target = f"{function.__module__}:{function.__qualname__}"
+        script = Path(__file__).with_name("_on_rank.py")
+        run_ranks(
+            script, target, str(arguments), str(out), world_size=world_size, timeout=timeout, env=env, nodes=nodes
+        )
+        return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world_size)]
