@@ -66,31 +66,6 @@ def test_without_deepspeed_the_import_says_how_to_install_it() -> None:
     assert "pip install 'deepspeed>=0.19.8,<0.20'" in result.stderr
 
 
-def test_optimizer_step_hooks_run_around_each_engine_step() -> None:
-    """Hooks on ``self.optimizers()`` (a LightningOptimizer), on the optimizer itself and torch's global ones."""
-    calls: list[str] = []
-    module = nn.Linear(2, 2)
-    engine = SimpleNamespace(
-        module=module,
-        optimizer=None,
-        fp16_enabled=lambda: False,
-        global_steps=0,
-        skipped_steps=0,
-        step=lambda: calls.append("engine.step"),
-        zero_grad=lambda: None,
-    )
-    optimizer = EngineOptimizer("generator", engine, torch.optim.SGD(module.parameters()), [list(module.parameters())])  # type: ignore[arg-type]
-    LightningOptimizer(optimizer).register_step_pre_hook(lambda *_: calls.append("pre"))
-    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
-    handle = register_optimizer_step_pre_hook(lambda *_: calls.append("global pre"))
-    try:
-        optimizer.has_gradients = True
-        optimizer.step()
-    finally:
-        handle.remove()
-    assert calls == ["global pre", "pre", "engine.step", "post"]
-
-
 def _fake_engine_optimizer(calls: list[str]) -> EngineOptimizer:
     module = nn.Linear(2, 2)
     engine = SimpleNamespace(
@@ -105,6 +80,20 @@ def _fake_engine_optimizer(calls: list[str]) -> EngineOptimizer:
     optimizer = EngineOptimizer("generator", engine, torch.optim.SGD(module.parameters()), [list(module.parameters())])  # type: ignore[arg-type]
     optimizer.has_gradients = True
     return optimizer
+
+
+def test_optimizer_step_hooks_run_around_each_engine_step() -> None:
+    """Hooks on ``self.optimizers()`` (a LightningOptimizer), on the optimizer itself and torch's global ones."""
+    calls: list[str] = []
+    optimizer = _fake_engine_optimizer(calls)
+    LightningOptimizer(optimizer).register_step_pre_hook(lambda *_: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: calls.append("post"))
+    handle = register_optimizer_step_pre_hook(lambda *_: calls.append("global pre"))
+    try:
+        optimizer.step()
+    finally:
+        handle.remove()
+    assert calls == ["global pre", "pre", "engine.step", "post"]
 
 
 def test_a_step_without_hooks_or_profiler_skips_torchs_hook_runner(monkeypatch: pytest.MonkeyPatch) -> None:
