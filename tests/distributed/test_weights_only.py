@@ -2,22 +2,98 @@
 
 As ``torch.load`` and Lightning's own strategies: with ``weights_only=True`` or the default, a file holding anything
 but tensors and plain types is refused and the error names it; with ``weights_only=False`` it loads.
+
+The rank code, run on 2 ranks: :func:`train` runs one epoch of a distillation with a frozen ZeRO-3 teacher (saved:
+``save_frozen=True``), a ZeRO-2 Adam student and its EMA, saved by ``ModelCheckpoint`` to ROOT/ckpts/last.ckpt.
+:func:`load_cases` runs, for each CASE ``NAME:WEIGHTS_ONLY:CALL[:bypass][:no-ema]`` (WEIGHTS_ONLY ``none``,
+``true`` or ``false``; CALL ``fit`` or ``validate``), ``trainer.CALL(ckpt_path=ROOT/cases/NAME/last.ckpt,
+weights_only=...)``; each rank returns {NAME: ``ok`` or ``ErrorType: message``}. With ``bypass`` the strategy's look
+at the pickles before loading finds nothing, so only torch's restricted unpickler, DeepSpeed's reads included,
+stands in the way; with ``no-ema`` the module has no ``student_ema`` and the strategy no ``ema=``.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
+import lightning.pytorch as pl
 import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tests.distributed.harness import REPO, run_ranks
+from lightning_multids import MultiDeepSpeedStrategy
+from tests import patterns
+from tests.distributed.common import cpu_trainer, sharded_loader
+from tests.distributed.harness import REPO, on_ranks
 from tests.poison import poison
 
-SCRIPT = Path(__file__).with_name("run_weights_only.py")
+WEIGHTS_ONLY = {"none": None, "true": True, "false": False}
+
+
+class Distill(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.teacher, self.student = patterns.make_distill_modules()
+        self.student_ema = copy.deepcopy(self.student)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        patterns.distill_step(self.teacher, self.student, batch, self.optimizers(), self.manual_backward)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_gap", (self.student_ema(batch[:, :6]) - self.teacher(batch[:, :6])).pow(2).mean(), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return patterns.make_optimizer("adam", self.student.parameters())
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return sharded_loader(self, patterns.make_batches(2))
+
+    val_dataloader = train_dataloader
+
+
+def trainer(root: Path, epochs: int, ema: bool = True) -> pl.Trainer:
+    strategy = MultiDeepSpeedStrategy(
+        stage=2,
+        engine_configs={"teacher": {"zero_optimization": {"stage": 3}}},
+        ema={"student_ema": ("student", 0.9)} if ema else None,
+        save_frozen=True,
+    )
+    checkpoints = ModelCheckpoint(dirpath=root / "ckpts", save_last=True, save_top_k=0)
+    return cpu_trainer(strategy, max_epochs=epochs, use_distributed_sampler=False, callbacks=[checkpoints])
+
+
+def load(root: Path, case: str) -> str:
+    name, weights_only, call, *flags = case.split(":")
+    path = str(root / "cases" / name / "last.ckpt")
+    t = trainer(root / "cases" / name / "run", 2, ema="no-ema" not in flags)
+    module = Distill()
+    if "no-ema" in flags:
+        del module.student_ema
+    scan = mock.patch("torch.serialization.get_unsafe_globals_in_checkpoint", return_value=[])
+    try:
+        with scan if "bypass" in flags else mock.patch.dict({}):
+            getattr(t, call)(module, ckpt_path=path, weights_only=WEIGHTS_ONLY[weights_only])
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        return f"{type(error).__name__}: {error}".replace("\n", " ")
+    return "ok"
+
+
+def train(root: Path) -> None:
+    """On each rank: one epoch, checkpointed to ROOT/ckpts/last.ckpt."""
+    trainer(root, 1).fit(Distill())
+
+
+def load_cases(root: Path, cases: list[str]) -> dict[str, str]:
+    """On each rank: each case loaded in turn; its result by its name."""
+    return {case.split(":")[0]: load(root, case) for case in cases}
+
 
 PARTS = {
     "lightning": "lightning.pt",
@@ -26,13 +102,13 @@ PARTS = {
     "frozen_weights": "engines/teacher/weights.pt",
     "ema_weights": "engines/student_ema/weights.pt",
 }
-"""Each kind of file in a checkpoint of run_weights_only.py's module, by the name of its case."""
+"""Each kind of file in a checkpoint of :class:`Distill`, by the name of its case."""
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("weights_only")
-    run_ranks(SCRIPT, "train", str(root))
+    on_ranks(train, root)
     assert sorted(str(p.relative_to(root / "ckpts" / "last.ckpt")) for p in (root / "ckpts").rglob("*.pt")) == sorted(
         [*PARTS.values(), "engines/student/state/zero_pp_rank_0_mp_rank_00_optim_states.pt"]
     )
@@ -58,10 +134,8 @@ def test_every_poisoned_part_is_refused_unless_weights_only_is_false(trained: Pa
     for name, call in (("validate-none", "validate:none"), ("validate-false", "validate:false")):
         expected[name] = poisoned_copy(trained, name, PARTS["ema_weights"])
         cases.append(f"{name}:{call.split(':')[1]}:validate")
-    outputs = run_ranks(SCRIPT, "load", str(trained), *cases, timeout=600)
-    for rank, output in enumerate(outputs):
-        results = dict(re.findall(r"^RESULT ([\w-]+): (.*)$", output, flags=re.M))
-        assert sorted(results) == sorted(expected), output[-3000:]
+    for rank, results in enumerate(on_ranks(load_cases, trained, cases, timeout=600)):
+        assert sorted(results) == sorted(expected), results
         for name, (file, marker) in expected.items():
             if name.endswith("-false"):
                 assert results[name] == "ok", f"rank {rank}, {name}: {results[name]}"
@@ -80,23 +154,21 @@ def test_restricted_loading_does_not_depend_on_the_look_before_loading(trained: 
     DeepSpeed reads the model states on every rank (``torch.load(..., weights_only=False)`` in its code).
     """
     file, marker = poisoned_copy(trained, "bypassed", PARTS["model_states"])
-    outputs = run_ranks(SCRIPT, "load", str(trained), "bypassed:none:fit:bypass")
-    for output in outputs:
-        message = re.search(r"^RESULT bypassed: (.*)$", output, flags=re.M)
-        assert message is not None, output[-3000:]
-        assert message.group(1).startswith("UnpicklingError: Refusing to load"), message.group(1)
-        assert str(file.parents[3]) in message.group(1) and "tests.poison.touched" in message.group(1)
+    for results in on_ranks(load_cases, trained, ["bypassed:none:fit:bypass"]):
+        message = results.get("bypassed")
+        assert message is not None, results
+        assert message.startswith("UnpicklingError: Refusing to load"), message
+        assert str(file.parents[3]) in message and "tests.poison.touched" in message
     assert not marker.exists()
 
 
 def test_a_saved_average_whose_submodule_is_gone_is_refused_with_strict_loading(trained: Path) -> None:
     shutil.copytree(trained / "ckpts" / "last.ckpt", trained / "cases" / "no-ema" / "last.ckpt")
-    outputs = run_ranks(SCRIPT, "load", str(trained), "no-ema:none:fit:no-ema")
-    for output in outputs:
-        message = re.search(r"^RESULT no-ema: (.*)$", output, flags=re.M)
-        assert message is not None, output[-3000:]
+    for results in on_ranks(load_cases, trained, ["no-ema:none:fit:no-ema"]):
+        message = results.get("no-ema")
+        assert message is not None, results
         expected = r"ValueError: The checkpoint .* holds the weights of the submodule 'student_ema', which this"
-        assert re.match(expected, message.group(1)), message.group(1)
+        assert re.match(expected, message), message
 
 
 @pytest.mark.parametrize("part", sorted(PARTS))
