@@ -97,14 +97,21 @@ def on_ranks(
     ``function`` is a module-level function of an importable module (a test module's own), and ``args`` and
     its result go through ``torch.save``. A rank that fails or hangs fails the caller, with its output.
     """
+    with tempfile.TemporaryDirectory() as folder:
+        command = rank_command(Path(folder), function, *args)
+        run_ranks(Path(command[0]), *command[1:], world_size=world_size, timeout=timeout, env=env, nodes=nodes)
+        return [torch.load(f"{command[-1]}.{rank}", weights_only=False) for rank in range(world_size)]
+
+
+def rank_command(folder: Path, function: Callable[..., Any], *args: Any) -> list[str]:
+    """The script and arguments that make one rank call ``function(*args)``; its result goes to ``OUT.<rank>``.
+
+    ``OUT``, the last argument, and the saved ``args`` are in ``folder``. For a test that starts the ranks
+    itself (one that watches how they end); :func:`on_ranks` runs it on every rank and waits.
+    """
     if "<locals>" in function.__qualname__ or function.__module__ == "__main__":
         raise ValueError(f"on_ranks runs module-level functions of importable modules, not {function.__qualname__}")
-    with tempfile.TemporaryDirectory() as folder:
-        arguments, out = Path(folder) / "args.pt", Path(folder) / "result"
-        torch.save(args, arguments)
-        target = f"{function.__module__}:{function.__qualname__}"
-        script = Path(__file__).with_name("_on_rank.py")
-        run_ranks(
-            script, target, str(arguments), str(out), world_size=world_size, timeout=timeout, env=env, nodes=nodes
-        )
-        return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world_size)]
+    arguments, out = folder / "args.pt", folder / "result"
+    torch.save(args, arguments)
+    target = f"{function.__module__}:{function.__qualname__}"
+    return [str(Path(__file__).with_name("_on_rank.py")), target, str(arguments), str(out)]

@@ -1,4 +1,9 @@
-"""No hang when a rank fails; the same weights from 2 nodes x 1 process as from 1 node x 2 processes."""
+"""No hang when a rank fails; the same weights from 2 nodes x 1 process as from 1 node x 2 processes.
+
+The rank code of the failures: :func:`fit_failing` fits :class:`Failing`, where rank 1 raises, in training_step
+(MODE ``step``) or during setup (MODE ``setup``); or, at ZeRO-3, only rank R enters ``strategy.gathered`` in
+training_step (MODE ``gatheredR``).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,50 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
+from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.harness import REPO, free_port, run_ranks
+from tests.distributed.common import cpu_trainer
+from tests.distributed.harness import REPO, free_port, rank_command, run_ranks
 
-RUNNER = Path(__file__).with_name("run_failure.py")
+
+class Failing(pl.LightningModule):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.generator, self.discriminator = patterns.make_modules()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.mode == "step" and batch_idx == 1 and self.global_rank == 1:
+            raise RuntimeError("rank 1 failed on purpose in training_step")
+        if self.mode == f"gathered{self.global_rank}" and batch_idx == 1:
+            with self.trainer.strategy.gathered("discriminator") as discriminator:  # type: ignore[attr-defined]
+                discriminator(torch.zeros(1, 6))
+        opt_g, opt_d = self.optimizers()
+        patterns.gan_zero_first(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        if self.mode == "setup" and self.global_rank == 1:
+            raise RuntimeError("rank 1 failed on purpose during setup")
+        return [patterns.make_optimizer("sgd", m.parameters()) for m in (self.generator, self.discriminator)]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(patterns.make_batches(4), batch_size=4)
+
+
+def fit_failing(mode: str) -> None:
+    """On each rank: fit :class:`Failing` with ``mode``, at ZeRO-2 (ZeRO-3 for the ``gathered`` modes)."""
+    if mode.startswith("gathered"):
+        strategy = MultiDeepSpeedStrategy(stage=3, gathered_timeout=timedelta(seconds=10))
+    else:
+        strategy = MultiDeepSpeedStrategy(stage=2)
+    cpu_trainer(strategy, enable_checkpointing=False).fit(Failing(mode))
 
 
 FAILURES = {  # mode: (the rank that fails, what it says)
@@ -36,13 +76,12 @@ FAILURES = {  # mode: (the rank that fails, what it says)
 def test_a_failing_rank_stops_every_rank_within_60_seconds(tmp_path: Path, mode: str) -> None:
     """The clock starts when the first process exits (start-up may include DeepSpeed's one-time op build)."""
     port, procs, logs = str(free_port()), [], [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
+    command = [sys.executable, *rank_command(tmp_path, fit_failing, mode)]
     for rank in (0, 1):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", NODE_RANK="0")
-        env.update(LOCAL_RANK=str(rank), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        env.update(LOCAL_RANK=str(rank), TEST_RANK=str(rank), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
         with logs[rank].open("w") as log:  # a file, not a pipe: a full pipe would block the process
-            procs.append(
-                subprocess.Popen([sys.executable, str(RUNNER), mode], env=env, cwd=REPO, stdout=log, stderr=log)
-            )
+            procs.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=log))
     try:
         first_exit = wait_until(lambda: any(p.poll() is not None for p in procs), timeout=300)
         assert first_exit, "no rank stopped within 300 s of start"
