@@ -1,16 +1,28 @@
-"""Save and resume every engine with Lightning's state, exactly; export to plain state dicts."""
+"""Save and resume every engine with Lightning's state, exactly; export to plain state dicts.
+
+The resume runs are run_resume.py's (the GPU suite runs it too). The other scenarios' rank code is here, after
+``assert_resumed_exactly``: a GAN trained 1 epoch at ZeRO-3 with ModelCheckpoint (:func:`train`), killed mid-save
+(:func:`fit_killed`), resumed (:func:`resume`), validated from a checkpoint or inside ``gathered``, and fitted from
+bad checkpoint paths; each returns what the tests read.
+"""
 
 from __future__ import annotations
 
-import json
+import os
 import re
+import signal
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from deepspeed import DeepSpeedEngine
+from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.harness import run_ranks
+from tests.distributed.common import cpu_trainer
+from tests.distributed.harness import on_ranks, run_ranks
 
 RESUME = Path(__file__).with_name("run_resume.py")
 
@@ -111,14 +123,171 @@ def assert_resumed_exactly(results: dict, where: str) -> None:
         assert "last.ckpt" in straight["files"] and not any(f.endswith(".partial") for f in straight["files"])
 
 
-SCENARIOS = Path(__file__).with_name("run_checkpoint.py")
+class GAN(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator, self.discriminator = patterns.make_modules()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        patterns.gan_zero_first(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        real, z = patterns.split(batch)
+        self.log("val_score", self.discriminator(self.generator(z)).mean(), sync_dist=True)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [patterns.make_optimizer("adam", m.parameters()) for m in (self.generator, self.discriminator)]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(patterns.make_batches(2), batch_size=4)
+
+    val_dataloader = train_dataloader
+
+
+class GatheredGAN(GAN):
+    """The GAN sampling inside ``gathered``, as a generation loop would."""
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        real, z = patterns.split(batch)
+        with self.trainer.strategy.gathered("generator") as generator:  # type: ignore[attr-defined]
+            fake = generator(z)
+        self.log("val_score", self.discriminator(fake).mean(), sync_dist=True)
+
+
+class Student(pl.LightningModule):
+    """A module with other engines than the GAN's, to resume a GAN checkpoint into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _, self.student = patterns.make_distill_modules()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.student(batch[:, :6]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.student.parameters(), lr=0.1)
+
+    train_dataloader = GAN.train_dataloader
+
+
+def trainer(root: Path, epochs: int) -> pl.Trainer:
+    return cpu_trainer(
+        MultiDeepSpeedStrategy(stage=3),
+        max_epochs=epochs,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpts", save_last=True, save_top_k=-1)],
+    )
+
+
+def kill_during_second_save() -> None:
+    """SIGKILL rank 1 after it wrote its first engine of the second checkpoint, before the second engine."""
+    original, calls = DeepSpeedEngine.save_checkpoint, []
+
+    def save_checkpoint(self: DeepSpeedEngine, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        # epoch 0 writes epoch=0-step=4.ckpt and last.ckpt (2 engines each); die inside epoch=1-step=8.ckpt
+        if len(calls) == 6 and os.environ["LOCAL_RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *args, **kwargs)
+
+    DeepSpeedEngine.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+
+
+def kill_between_renames() -> None:
+    """SIGKILL rank 0 right after it moved last.ckpt aside (to last.old.ckpt), before the new one takes its place."""
+    from lightning_multids import checkpoint
+
+    original = os.replace
+
+    def replace(source: object, target: object) -> None:
+        original(source, target)
+        if Path(str(target)).name == "last.old.ckpt":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    checkpoint.os.replace = replace  # type: ignore[attr-defined]
+
+
+class StartEpoch(pl.Callback):
+    """The epoch training starts at, after any resume."""
+
+    def __init__(self) -> None:
+        self.value = -1
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.value = trainer.current_epoch
+
+
+def train(root: Path) -> dict[str, torch.Tensor] | None:
+    """On each rank: 1 epoch of the GAN at ZeRO-3 with ModelCheckpoint; rank 0 returns the live weights."""
+    t = trainer(root, 1)
+    t.fit(GAN())
+    weights = t.strategy.consolidated_state_dict()
+    return weights if t.global_rank == 0 else None
+
+
+def fit_killed(root: Path, when: str) -> None:
+    """On each rank: 2 epochs; killed ``during_second_save`` (rank 1) or ``between_renames`` (rank 0)."""
+    if when == "during_second_save":
+        kill_during_second_save()
+    else:
+        kill_between_renames()
+    trainer(root, 2).fit(GAN())
+
+
+def resume(root: Path, ckpt_path: str) -> dict[str, int] | None:
+    """On each rank: resume from ``ckpt_path`` up to a third epoch; rank 0 returns where training started and ended."""
+    t, start = trainer(root, 3), StartEpoch()
+    t.callbacks.append(start)  # type: ignore[attr-defined]
+    t.fit(GAN(), ckpt_path=ckpt_path)
+    return {"start_epoch": start.value, "epoch": t.current_epoch, "step": t.global_step} if t.global_rank == 0 else None
+
+
+def validate(root: Path) -> dict[str, float]:
+    """On each rank: ``trainer.validate(ckpt_path=ROOT/ckpts/last.ckpt)`` in a fresh process; its metrics."""
+    (metrics,) = cpu_trainer(MultiDeepSpeedStrategy(stage=3)).validate(
+        GAN(), ckpt_path=str(root / "ckpts" / "last.ckpt")
+    )
+    return metrics
+
+
+def validate_gathered() -> dict[int, float | str]:
+    """On each rank: ``trainer.validate`` at ZeRO 0-3 of :class:`GatheredGAN`; the val_score or the error by stage."""
+    scores: dict[int, float | str] = {}
+    for stage in range(4):
+        try:
+            (metrics,) = cpu_trainer(MultiDeepSpeedStrategy(stage=stage)).validate(GatheredGAN())
+            scores[stage] = metrics["val_score"]
+        except ValueError as error:
+            scores[stage] = str(error)
+    return scores
+
+
+def fit_from_bad_paths(root: Path) -> dict[str, str]:
+    """On each rank: fit from bad ckpt_path values; each one's error message (or ``no error``) by its name."""
+    (root / "plain.ckpt").write_bytes(b"not a checkpoint")
+    cases = {
+        "missing": (GAN, root / "nowhere.ckpt"),
+        "not_ours": (GAN, root / "plain.ckpt"),
+        "other_engines": (Student, root / "ckpts" / "last.ckpt"),
+    }
+    messages = {}
+    for name, (module, path) in cases.items():
+        try:
+            trainer(root / name, 2).fit(module(), ckpt_path=str(path))
+        except ValueError as err:
+            messages[name] = str(err).replace("\n", " ")
+        else:
+            messages[name] = "no error"
+    return messages
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A ZeRO-3 GAN trained for one epoch, with its checkpoints and its live weights."""
+    """A ZeRO-3 GAN trained for one epoch, with its checkpoints and its live weights (ROOT/live.pt)."""
     root = tmp_path_factory.mktemp("ckpt")
-    run_ranks(SCENARIOS, "train", str(root))
+    torch.save(on_ranks(train, root)[0], root / "live.pt")
     return root
 
 
@@ -186,8 +355,7 @@ def test_export_merge_lora_needs_format_hf(trained: Path, tmp_path: Path, capsys
 
 
 def test_validate_from_a_checkpoint_in_a_fresh_process(trained: Path) -> None:
-    run_ranks(SCENARIOS, "validate", str(trained))
-    metrics = json.loads((trained / "val.json").read_text())
+    metrics = on_ranks(validate, trained)[0]
     live = torch.load(trained / "live.pt")
     generator, discriminator = patterns.make_modules()
     generator.load_state_dict({k.split(".", 1)[1]: v for k, v in live.items() if k.startswith("generator.")})
@@ -199,17 +367,15 @@ def test_validate_from_a_checkpoint_in_a_fresh_process(trained: Path) -> None:
 
 def test_gathered_in_validation_step_works_under_validate_at_every_stage(tmp_path: Path) -> None:
     """Outside fit only ZeRO-3 submodules get an engine; ``gathered`` of a whole one only turns gradients off."""
-    run_ranks(SCENARIOS, "gathered", str(tmp_path))
     generator, discriminator = patterns.make_modules()
     _, z = patterns.split(patterns.make_batches(2))
     expected = discriminator(generator(z)).mean().item()
-    for stage, score in json.loads((tmp_path / "gathered.json").read_text()).items():
+    for stage, score in on_ranks(validate_gathered)[0].items():
         assert score == pytest.approx(expected, abs=1e-6), f"ZeRO-{stage}: {score}"
 
 
 def test_bad_checkpoint_paths_fail_clearly(trained: Path) -> None:
-    outputs = run_ranks(SCENARIOS, "errors", str(trained))
-    messages = dict(re.findall(r"^RESULT (\w+): (.*)$", outputs[0], flags=re.M))
+    messages = on_ranks(fit_from_bad_paths, trained)[0]
     assert re.search(r"nowhere.ckpt' does not exist.*checkpoints/last.ckpt", messages["missing"]), messages["missing"]
     assert re.search(r"plain.ckpt' is not a MultiDeepSpeedStrategy checkpoint", messages["not_ours"])
     assert re.search(
@@ -219,25 +385,23 @@ def test_bad_checkpoint_paths_fail_clearly(trained: Path) -> None:
 
 def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="exited with|did not finish"):
-        run_ranks(SCENARIOS, "kill", str(tmp_path), timeout=120)
+        on_ranks(fit_killed, tmp_path, "during_second_save", timeout=120)
     ckpts = tmp_path / "ckpts"
     names = sorted(p.name for p in ckpts.iterdir())
     assert "epoch=0-step=4.ckpt" in names and "last.ckpt" in names
     assert any(name.endswith(".partial") for name in names), names  # the interrupted save
     last = torch.load(ckpts / "last.ckpt" / "lightning.pt", weights_only=False)
     assert last["epoch"] == 0, "last.ckpt must still be the complete epoch-0 checkpoint"
-    run_ranks(SCENARIOS, "resume", str(tmp_path))
-    assert json.loads((tmp_path / "resumed.json").read_text()) == {"start_epoch": 1, "epoch": 3, "step": 12}
+    assert on_ranks(resume, tmp_path, str(ckpts / "last.ckpt"))[0] == {"start_epoch": 1, "epoch": 3, "step": 12}
 
 
 def test_a_save_killed_between_its_renames_keeps_the_last_checkpoint_for_ckpt_path_last(tmp_path: Path) -> None:
     """Replacing last.ckpt moves it to last.old.ckpt first; killed right then, ``ckpt_path="last"`` finds it."""
     with pytest.raises(AssertionError, match="exited with|did not finish"):
-        run_ranks(SCENARIOS, "kill_between_renames", str(tmp_path), timeout=120)
+        on_ranks(fit_killed, tmp_path, "between_renames", timeout=120)
     ckpts = tmp_path / "ckpts"
     assert sorted(p.name for p in ckpts.iterdir() if "last" in p.name) == ["last.ckpt.partial", "last.old.ckpt"]
-    run_ranks(SCENARIOS, "resume_last", str(tmp_path))
-    assert json.loads((tmp_path / "resumed.json").read_text()) == {"start_epoch": 1, "epoch": 3, "step": 12}
+    assert on_ranks(resume, tmp_path, "last")[0] == {"start_epoch": 1, "epoch": 3, "step": 12}
     assert sorted(p.name for p in ckpts.iterdir() if "last" in p.name) == ["last.ckpt"]  # the old one, once replaced
 
 
