@@ -11,10 +11,8 @@ reentrant and non-reentrant activation checkpointing. The reference is autograd 
 from __future__ import annotations
 
 import random
-import threading
 import warnings
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,42 +20,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_multids._discovery import UNWALKED, Reach, reached_engines
-from lightning_multids._engines import EngineSet
 from lightning_multids._routing import Router
+from tests.fakes import FakeEngine, routed_engine_set
 
 TRAINABLE = ("a", "b", "c", "d")
 GRAPHS = 400
-
-
-class FakeEngine:
-    """What the routing code touches of a DeepSpeed engine, recording prologue and epilogue calls."""
-
-    def __init__(self, name: str, module: nn.Module, calls: list[tuple[str, str]]) -> None:
-        self.name, self.module, self.calls = name, module, calls
-        self.optimizer = None
-        self._running_engine_backward_lock = threading.Lock()
-        self._running_engine_backward_count = 0
-        self._running_engine_backward = False
-
-    def _backward_prologue(self) -> None:
-        assert self._running_engine_backward
-        self.calls.append(("prologue", self.name))
-
-    def _backward_epilogue(self) -> None:
-        assert self._running_engine_backward
-        self.calls.append(("epilogue", self.name))
-
-    def zero_grad(self) -> None:
-        self.calls.append(("cleared", self.name))
-
-    def zero_optimization_partition_gradients(self) -> bool:
-        return False
-
-    def zero_optimization_stage(self) -> int:
-        return 0
-
-    def fp16_enabled(self) -> bool:
-        return False
 
 
 def mlp() -> nn.Sequential:
@@ -258,10 +225,7 @@ def test_a_hidden_graph_that_reaches_no_engine_is_refused_after_its_backward() -
     graph = Graph(0)
     calls: list[tuple[str, str]] = []
     engines = {name: FakeEngine(name, graph.modules[name], calls) for name in TRAINABLE}
-    optimizers = [SimpleNamespace(name=name, has_gradients=False) for name in TRAINABLE]
-    engine_set = EngineSet.of(engines, optimizers, graph.owners())  # type: ignore[arg-type]
-    for name, engine in engines.items():
-        engine_set.router.watch(name, engine)  # type: ignore[arg-type]
+    engine_set = routed_engine_set(engines)
     x = torch.randn(2, 4, requires_grad=True)
     loss = checkpoint(graph.modules["plain"], x, use_reentrant=True).sum()
     with pytest.raises(ValueError, match=r"reaches no trainable engine \('a', 'b', 'c', 'd'\)"):  # noqa: SIM117
@@ -273,4 +237,4 @@ def test_a_hidden_graph_that_reaches_no_engine_is_refused_after_its_backward() -
     with engine_set.backward(loss) as scaled:
         scaled.backward()
     assert calls == [("prologue", "b"), ("epilogue", "b")] and engine_set.backward_calls == 1
-    assert [o.has_gradients for o in optimizers] == [False, True, False, False]
+    assert [o.has_gradients for o in engine_set.optimizers] == [False, True, False, False]

@@ -6,11 +6,10 @@ from torch import nn
 
 from lightning_multids._compat.deepspeed import loss_scale
 from lightning_multids._discovery import check_engine_names, match_optimizers, parameter_owners, reached_engines
-from lightning_multids._engines import EngineSet
 from lightning_multids._optimizer import EngineScheduler, _GroupView
 from lightning_multids._precision import loss_scaling
 from tests import patterns
-from tests.unit.test_discovery import FakeEngine
+from tests.fakes import FakeEngine, engine_set, fake_optimizer, routed_engine_set
 
 
 class GAN(nn.Module):
@@ -108,8 +107,7 @@ def test_reached_engines_skips_an_engine_whose_gradients_are_off() -> None:
 
 def test_loss_reaching_no_trainable_engine_is_refused() -> None:
     gan = GAN()
-    stand_ins = [SimpleNamespace(name="generator"), SimpleNamespace(name="discriminator")]
-    engines = EngineSet.of({}, stand_ins, owners_of(gan))  # type: ignore[arg-type]
+    engines = engine_set({}, [fake_optimizer("generator"), fake_optimizer("discriminator")], owners_of(gan))
     loss = gan.generator(torch.randn(2, 4)).detach().requires_grad_().sum()
     with (
         pytest.raises(
@@ -122,7 +120,7 @@ def test_loss_reaching_no_trainable_engine_is_refused() -> None:
 
 
 def test_returned_loss_without_manual_backward_is_refused_only_where_nothing_can_train() -> None:
-    engines = EngineSet.of({}, [SimpleNamespace(name="generator")])  # type: ignore[list-item]
+    engines = engine_set({}, [fake_optimizer("generator")])
     loss = torch.ones(1, requires_grad=True).sum()
     engines.check_loss_was_used({"loss": loss})  # the user chose manual optimization: allowed, as in Lightning
     engines.switched_to_manual = True  # written for the automatic loop, switched by the strategy
@@ -182,15 +180,6 @@ class ScaledEngine(FakeEngine):
         return self.scale is not None
 
 
-def engine_set(engines: dict[str, FakeEngine]) -> EngineSet:
-    optimizers = [SimpleNamespace(name=name, has_gradients=False) for name in engines]
-    owners = {id(p): name for name, e in engines.items() for p in e.module.parameters()}
-    routed = EngineSet.of(engines, optimizers, owners)  # type: ignore[arg-type]
-    for name, engine in engines.items():
-        routed.router.watch(name, engine)  # type: ignore[arg-type]
-    return routed
-
-
 def test_each_engine_receives_gradients_at_its_own_loss_scale() -> None:
     """One loss through an fp16 engine (scale 2^16), another fp16 engine (2^10) and a bf16 one (no scale)."""
     torch.manual_seed(0)
@@ -208,7 +197,7 @@ def test_each_engine_receives_gradients_at_its_own_loss_scale() -> None:
         "d": ScaledEngine("d", unused, 2.0**4),  # not reached: its scale must not set the loss's
     }
     assert loss_scaling({name: loss_scale(e) for name, e in engines.items()})[0] == 2.0**4  # type: ignore[arg-type]
-    routed = engine_set(engines)  # type: ignore[arg-type]
+    routed = routed_engine_set(engines)
     with routed.backward(third(second(first(x))).sum()) as scaled:
         scaled.backward()
     for name in "abc":
@@ -233,7 +222,7 @@ def test_a_backward_at_one_loss_scale_does_not_walk_the_graph(
     torch.manual_seed(0)
     generator, discriminator = nn.Linear(2, 3), nn.Linear(3, 1)
     engines = {"d": ScaledEngine("d", discriminator, scales[1]), "g": ScaledEngine("g", generator, scales[0])}
-    routed = engine_set(engines)  # type: ignore[arg-type]
+    routed = routed_engine_set(engines)
     z = torch.randn(4, 2)
     with routed.backward(discriminator(generator(z).detach()).sum()) as scaled:
         scaled.backward()

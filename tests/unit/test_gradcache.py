@@ -12,6 +12,7 @@ from torch import nn
 from lightning_multids._blocks import NO_SYNC, BlockError, inside, no_sync
 from lightning_multids._engines import EngineSet
 from lightning_multids.utilities.gradcache import grad_cache, info_nce
+from tests import fakes
 
 
 def plain_module() -> Any:
@@ -74,7 +75,7 @@ def test_bad_arguments_are_refused() -> None:
 
 def engine_set() -> EngineSet:
     engines = {name: SimpleNamespace(inside_no_sync_ctxt=False) for name in ("query", "doc", "teacher")}
-    return EngineSet.of(engines, [SimpleNamespace(name="query"), SimpleNamespace(name="doc")])  # type: ignore[arg-type, list-item]
+    return fakes.engine_set(engines, [fakes.fake_optimizer("query"), fakes.fake_optimizer("doc")])
 
 
 def test_no_sync_selects_trainable_engines_and_refuses_the_rest() -> None:

@@ -9,7 +9,7 @@ import pytest
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
 from lightning_multids._blocks import offloaded
-from lightning_multids._engines import EngineRecord
+from tests.fakes import engine_set, fake_optimizer
 
 
 class Engine:
@@ -26,7 +26,7 @@ class Engine:
 
 
 def records(name: str, engine: Engine) -> Any:
-    return {name: EngineRecord(name, engine, optimizer=SimpleNamespace(name=name))}  # type: ignore[arg-type]
+    return engine_set({name: engine}, [fake_optimizer(name)]).records
 
 
 def test_no_names_is_refused_with_the_names_to_choose_from() -> None:

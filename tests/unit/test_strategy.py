@@ -5,9 +5,9 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids._engines import EngineSet
 from lightning_multids._planning import check_clip_algorithm, warn_gradient_readers
 from lightning_multids._precision import EnginePrecision
+from tests import fakes
 
 
 def test_selectable_by_name() -> None:
@@ -65,7 +65,7 @@ def test_trainer_gradient_clip_val_clips_the_engines_that_set_none_in_manual_opt
         )
         return SimpleNamespace(name=name, engine=engine)
 
-    engines = EngineSet.of({}, [fake("generator"), fake("discriminator")])  # type: ignore[list-item]
+    engines = fakes.engine_set({}, [fake("generator"), fake("discriminator")])
     engines.clip_by_default(0.7, {}, {"discriminator": {"gradient_clipping": 2.0}})
     clipping = {o.name: (o.engine._config.gradient_clipping, o.engine.optimizer.clip_grad) for o in engines.optimizers}
     assert clipping == {"generator": (0.7, 0.7), "discriminator": (0.0, 0.0)}  # its config's own 2.0 was built in
