@@ -8,7 +8,7 @@ between, the strategy's hooks call it: a backward (:meth:`EngineSet.backward`), 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,23 +63,10 @@ class EngineSet:
     averager: Averager | None = None
     """Updates the EMA engines after their sources' steps (``MultiDeepSpeedStrategy(ema=...)``)."""
 
-    @classmethod
-    def of(
-        cls,
-        engines: Mapping[str, DeepSpeedEngine],
-        optimizers: Sequence[EngineOptimizer] = (),
-        owners: Mapping[int, str] | None = None,
-    ) -> EngineSet:
-        """A set of already built engines and their optimizers (matched by name), e.g. for a test."""
-        by_name = {optimizer.name: optimizer for optimizer in optimizers}
-        records = {name: EngineRecord(name, engine, by_name.pop(name, None)) for name, engine in engines.items()}
-        records.update({name: EngineRecord(name, None, optimizer) for name, optimizer in by_name.items()})  # type: ignore[arg-type]
-        return cls(records=records, owners=dict(owners or {}))
-
     @property
     def engines(self) -> dict[str, DeepSpeedEngine]:
         """Every engine by name."""
-        return {name: record.engine for name, record in self.records.items() if record.engine is not None}
+        return {name: record.engine for name, record in self.records.items()}
 
     @property
     def optimizers(self) -> list[EngineOptimizer]:
@@ -121,7 +108,7 @@ class EngineSet:
     @property
     def trainable_engines(self) -> dict[str, DeepSpeedEngine]:
         """The trainable engines by name, in optimizer order."""
-        return {name: r.engine for name, r in self.records.items() if r.optimizer is not None and r.engine is not None}
+        return {name: r.engine for name, r in self.records.items() if r.optimizer is not None}
 
     def _release_frozen_leftovers(self) -> None:
         """After a backward, ended or failed: release what it gathered of frozen ZeRO-3 engines and left gathered."""
