@@ -16,9 +16,9 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import GPT2LMHeadModel  # noqa: E402
 
 from lightning_multids import _huggingface as huggingface  # noqa: E402
-from tests.distributed import run_hf  # noqa: E402
+from tests.distributed import test_hf  # noqa: E402
 
-PROMPT = run_hf.PROMPT
+PROMPT = test_hf.PROMPT
 
 
 class TinyGPT2(GPT2LMHeadModel):
@@ -32,7 +32,7 @@ def lora(seed: int) -> LoraConfig:
 
 def base(cls: type = GPT2LMHeadModel) -> GPT2LMHeadModel:
     torch.manual_seed(0)
-    return cls(run_hf.config())
+    return cls(test_hf.config())
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
