@@ -17,7 +17,7 @@ import lightning_multids  # noqa: F401 (imports DeepSpeed, before the freeze bel
 # keeps it out of every later collection. DeepSpeed runs a full `gc.collect()` for each ZeRO-3 engine it builds
 # (`defragment`), and a runner builds dozens; over the import-time heap each took about half a second here.
 # Objects the runner creates are collected as before. Only in a rank's process (harness.run_ranks sets LOCAL_RANK):
-# pytest's own process imports this module too (test_ema reads run_ema's constants) and is left as it was.
+# pytest's own process imports this module too (test modules hold their rank code) and is left as it was.
 if "LOCAL_RANK" in os.environ:
     gc.freeze()
 

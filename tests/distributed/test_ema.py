@@ -1,34 +1,165 @@
-"""EMA engines (``MultiDeepSpeedStrategy(ema=...)``) against ``torch.optim.swa_utils.AveragedModel``, 2 ranks."""
+"""EMA engines (``MultiDeepSpeedStrategy(ema=...)``) against ``torch.optim.swa_utils.AveragedModel``, 2 ranks.
+
+The rank code, :func:`fit_all`, trains a GAN whose generator has an EMA engine, straight or saved after one epoch
+and resumed, per SPEC ``SOURCE:AVERAGE[:resumed|:plain|:inside]``: a ZeRO stage each for the generator and its
+average (``plain``: resumed without ``ema=``, the average a plain submodule then; ``inside``: resumed from a
+checkpoint saved inside ``gathered("generator_ema")``, beside the consolidated state dict read there and outside,
+as "inside" and "outside"); ``3p0`` is stage 3 with ``stage3_param_persistence_threshold: 0`` (no parameter stays
+gathered between forwards, so the average updates partitions only). Each rank returns {spec: {"weights":
+consolidated state dict after fit, "start": the average's weights when training starts, "checkpoint"}}.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids.checkpoint import export
 from tests import patterns
-from tests.distributed import run_ema
-from tests.distributed.harness import run_ranks
+from tests.distributed.common import cpu_trainer, sharded_loader
+from tests.distributed.harness import on_ranks
 
 DECAY = 0.7  # far from 1, so that an average that skipped, repeated or mis-weighted an update shows
-STEPS = 2 * run_ema.BATCHES  # 2 epochs
+BATCHES = 2  # per epoch and rank
+STEPS = 2 * BATCHES  # 2 epochs
 TOLERANCE = 1e-6
 SPECS = ["0:0", "2:0", "3p0:0", "2:3", "2:3p0", "3:3p0", "3p0:3p0", "2:3:resumed", "2:3p0:resumed", "3p0:3p0:resumed"]
 SPECS += ["2:3:inside", "3p0:3p0:inside"]  # resumed from a save inside `gathered("generator_ema")`
 PLAIN = ["2:3:plain", "3:0:plain"]  # resumed without `ema=`: the average is a plain submodule in the second run
 
 
+class Counted(nn.Sequential):
+    """``nn.Sequential`` with a buffer counting its training-mode calls: what the average copies, not averages."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return super().forward(x)
+
+
+def make_gan() -> tuple[Counted, nn.Module, Counted]:
+    """Generator, discriminator, and a generator of other weights for the average (setup copies the source in)."""
+    generator, discriminator = patterns.make_modules()
+    other, _ = patterns.make_modules(seed=7)
+    return Counted(*generator), discriminator, Counted(*other)
+
+
+class EmaGan(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator, self.discriminator, self.generator_ema = make_gan()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt_g, opt_d = self.optimizers()
+        patterns.gan_zero_first(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
+        with torch.no_grad():  # a forward gathers a ZeRO-3 average's persistent parameters, which then stay whole
+            self.generator_ema(patterns.split(batch)[1])
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [patterns.make_optimizer("adam", m.parameters()) for m in (self.generator, self.discriminator)]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return sharded_loader(self, patterns.make_batches(BATCHES))
+
+
+class AtTrainStart(pl.Callback):
+    """The average's whole weights when training starts (after setup, before any step)."""
+
+    def __init__(self) -> None:
+        self.value: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = trainer.strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+        self.value = {k: v.clone() for k, v in state.items() if k.startswith("generator_ema.")}
+
+
+class SavesInsideGathered(pl.Callback):
+    """At the end of the first epoch: ``save_checkpoint`` and ``consolidated_state_dict`` inside ``gathered``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.inside: dict[str, torch.Tensor] = {}
+        self.outside: dict[str, torch.Tensor] = {}
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        with strategy.gathered("generator_ema"):  # type: ignore[attr-defined]
+            trainer.save_checkpoint(self.path)
+            self.inside = strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+        self.outside = strategy.consolidated_state_dict()  # type: ignore[attr-defined]
+
+
+def zero(stage: str) -> dict[str, Any]:
+    if stage == "3p0":
+        return {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    return {"zero_optimization": {"stage": int(stage)}}
+
+
+def fit(
+    spec: str, decay: float, epochs: int, root: Path, ckpt_path: str | None = None, *callbacks: pl.Callback
+) -> dict[str, Any]:
+    source, average = spec.split(":")[:2]
+    plain = spec.endswith(":plain") and ckpt_path is not None
+    configs = {"generator": zero(source), "discriminator": zero("2"), "generator_ema": zero(average)}
+    strategy = MultiDeepSpeedStrategy(
+        engine_configs={k: v for k, v in configs.items() if not (plain and k == "generator_ema")},
+        ema=None if plain else {"generator_ema": ("generator", decay)},
+    )
+    start = AtTrainStart()
+    trainer = cpu_trainer(
+        strategy,
+        max_epochs=epochs,
+        use_distributed_sampler=False,
+        callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1), start, *callbacks],
+        default_root_dir=root,
+    )
+    trainer.fit(EmaGan(), ckpt_path=ckpt_path)
+    weights = {k: v.float().clone() for k, v in strategy.consolidated_state_dict().items()}
+    return {"weights": weights, "start": start.value, "checkpoint": str(root / "last.ckpt")}
+
+
+def fit_all(decay: float, specs: list[str], root: Path) -> dict[str, dict[str, Any]]:
+    """One rank: every spec, each under ``root / SPEC`` (``:`` as ``-``); what each fit ended with."""
+    results = {}
+    for spec in specs:
+        folder = root / spec.replace(":", "-")
+        if spec.endswith(":inside"):
+            inside = SavesInsideGathered(folder / "first" / "inside.ckpt")
+            fit(spec, decay, 1, folder / "first", None, inside)
+            results[spec] = fit(spec, decay, 2, folder / "second", str(inside.path))
+            results[spec].update(
+                inside=inside.inside, outside=inside.outside, files=sorted(os.listdir(folder / "first"))
+            )
+        elif spec.endswith((":resumed", ":plain")):
+            fit(spec, decay, 1, folder / "first")
+            results[spec] = fit(spec, decay, 2, folder / "second", ckpt_path=str(folder / "first" / "last.ckpt"))
+        else:
+            results[spec] = fit(spec, decay, 2, folder)
+    return results
+
+
 def reference(steps: int = STEPS, global_batch: int = 8) -> dict[str, torch.Tensor]:
     """Plain PyTorch in one process on the global batches: the GAN, and ``AveragedModel`` after each G step."""
-    G, D, _ = run_ema.make_gan()
+    G, D, _ = make_gan()
     opt_g, opt_d = patterns.make_optimizer("adam", G.parameters()), patterns.make_optimizer("adam", D.parameters())
     average = AveragedModel(G, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
-    data = patterns.make_batches(run_ema.BATCHES, global_batch)
+    data = patterns.make_batches(BATCHES, global_batch)
     for step in range(steps):
-        batch = data[step % run_ema.BATCHES * global_batch : (step % run_ema.BATCHES + 1) * global_batch]
+        batch = data[step % BATCHES * global_batch : (step % BATCHES + 1) * global_batch]
         patterns.gan_zero_first(G, D, batch, opt_g, opt_d, lambda loss: loss.backward())  # opt_g.step() comes last
         average.update_parameters(G)
     out = {f"generator.{k}": v.detach().clone() for k, v in G.state_dict().items()}
@@ -38,9 +169,7 @@ def reference(steps: int = STEPS, global_batch: int = 8) -> dict[str, torch.Tens
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("ema") / "results.pt"
-    run_ranks(Path(run_ema.__file__), str(out), str(DECAY), *SPECS, *PLAIN, timeout=600)
-    return torch.load(out)
+    return on_ranks(fit_all, DECAY, [*SPECS, *PLAIN], tmp_path_factory.mktemp("ema"), timeout=600)[0]
 
 
 def test_the_reference_average_lags_the_generator() -> None:

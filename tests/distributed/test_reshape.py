@@ -1,7 +1,7 @@
 """Resume at another world size (2 -> 1 and 1 -> 2 ranks): every engine equals plain PyTorch on the same batches.
 
 Each run is one phase of a resume at another world size, for the EMA GAN with schedulers (Adam), per SPEC
-``SOURCE:AVERAGE`` as in ``run_ema.py`` (the generator's and its EMA engine's ZeRO stages; the discriminator is
+``SOURCE:AVERAGE`` as in ``test_ema.py`` (the generator's and its EMA engine's ZeRO stages; the discriminator is
 ZeRO-2), or ``distill:STAGE``: the distillation of ``run_resume.py``, a frozen ZeRO-3 teacher (saved,
 ``save_frozen=True``) and a student at STAGE. Phase ``first`` trains 1 epoch and saves ``last.ckpt``; ``second``
 resumes from it, at whatever world size this run has, and trains 1 more. The GAN's engines halve their learning
@@ -23,7 +23,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed import run_ema, run_resume
+from tests.distributed import run_resume, test_ema
 from tests.distributed.common import AtFitEnd, AtTrainStart, cpu_trainer
 from tests.distributed.harness import on_ranks
 from tests.distributed.run_resume import optimizer_state
@@ -36,8 +36,8 @@ OLD_FORMAT = "2:3"
 """Resumed from a checkpoint without its world size, as saved before the strategy recorded it."""
 
 
-class ScheduledEmaGan(run_ema.EmaGan):
-    """The EMA GAN of ``run_ema`` with a ``StepLR(gamma=0.5)`` per optimizer, stepped at each epoch's end."""
+class ScheduledEmaGan(test_ema.EmaGan):
+    """The EMA GAN of ``test_ema`` with a ``StepLR(gamma=0.5)`` per optimizer, stepped at each epoch's end."""
 
     def configure_optimizers(self) -> Any:
         optimizers = super().configure_optimizers()
@@ -58,9 +58,9 @@ def fit(spec: str, epochs: int, root: Path, ckpt_path: str | None = None, bf16: 
         return run_resume.fit("distill", int(average), epochs, root, ckpt_path=ckpt_path)
     strategy = MultiDeepSpeedStrategy(
         engine_configs={
-            "generator": run_ema.zero(source),
-            "discriminator": run_ema.zero("2"),
-            "generator_ema": run_ema.zero(average),
+            "generator": test_ema.zero(source),
+            "discriminator": test_ema.zero("2"),
+            "generator_ema": test_ema.zero(average),
         },
         ema={"generator_ema": ("generator", DECAY)},
     )
@@ -107,13 +107,13 @@ def forget_world_size(lightning_part: Path) -> None:
 
 def reference() -> dict:
     """Plain PyTorch on the global batches for 2 epochs: the GAN with Adam and StepLR, and ``AveragedModel``."""
-    G, D, _ = run_ema.make_gan()
+    G, D, _ = test_ema.make_gan()
     opt_g, opt_d = patterns.make_optimizer("adam", G.parameters()), patterns.make_optimizer("adam", D.parameters())
     schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) for opt in (opt_g, opt_d)]
     average = AveragedModel(G, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
-    data, global_batch = patterns.make_batches(run_ema.BATCHES), 8
+    data, global_batch = patterns.make_batches(test_ema.BATCHES), 8
     for _ in range(2):
-        for step in range(run_ema.BATCHES):
+        for step in range(test_ema.BATCHES):
             batch = data[step * global_batch : (step + 1) * global_batch]
             patterns.gan_zero_first(G, D, batch, opt_g, opt_d, lambda loss: loss.backward())
             average.update_parameters(G)
