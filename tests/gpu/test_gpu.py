@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests import patterns
 from tests.distributed import test_checkpoint, test_frozen, test_gradcache
-from tests.distributed.harness import run_ranks
+from tests.distributed.harness import on_ranks, run_ranks
 from tests.distributed.test_examples import SHORT, events, lightning_multids, workdir  # noqa: F401 (fixture)
 from tests.distributed.test_patterns import (
     CHECKPOINTED,
@@ -47,6 +49,11 @@ FP16 = pytest.mark.skipif(ON_CPU, reason="fp16 does not run on CPU")
 
 def run_on_gpu(runner: str, out: Path, *args: str) -> None:
     run_ranks(DISTRIBUTED / runner, str(out), *args, world_size=1, env=ONE_GPU, timeout=600)
+
+
+def on_gpu(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``, a test module's rank code, in one process on the GPU; what it returned."""
+    return on_ranks(function, *args, world_size=1, env=ONE_GPU, timeout=600)[0]
 
 
 def train(tmp_path: Path, stage: int, optimizer: str, steps: int, precision: str, *names: str) -> dict:
@@ -105,10 +112,8 @@ def test_distillation_with_a_zero3_teacher_matches_pytorch(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_grad_cache_equals_full_batch_pytorch(tmp_path: Path, stage: int) -> None:
-    out = tmp_path / "gradcache.pt"
-    run_on_gpu("run_gradcache.py", out, str(stage))
-    cases = torch.load(out)
+def test_grad_cache_equals_full_batch_pytorch(stage: int) -> None:
+    cases = on_gpu(test_gradcache.fit_cases, stage)
     test_gradcache.assert_matches(cases["two"]["weights"], test_gradcache.reference(shared=False))
     test_gradcache.assert_matches(cases["shared"]["weights"], test_gradcache.reference(shared=True))
 
