@@ -1,25 +1,154 @@
-"""Frozen (inference) engines, mixed ZeRO stages and DeepSpeed-config optimizers, against plain PyTorch."""
+"""Frozen (inference) engines, mixed ZeRO stages and DeepSpeed-config optimizers, against plain PyTorch.
+
+The rank code of the fits, :func:`fit_specs`, fits each SPEC ``case:frozen_stage:trained_stage`` (a frozen stage
+``3o``: ZeRO-3 with ``offload_param`` to the CPU) with case ``distill`` (frozen teacher, trained student),
+``frozen_middle`` (loss = frozen critic(generator(z))), ``frozen_twice`` (the same and frozen critic(real) in one
+loss), ``config_optimizer`` (the student's optimizer comes from its DeepSpeed config) or ``configure_model`` (the
+distillation's submodules built in ``configure_model``), and returns what each ended with. The GPU suite runs it
+too, on one GPU.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelSummary
 
+from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids._config import DEEPSPEED_ZERO3
 from tests import patterns
-from tests.distributed.harness import run_ranks
+from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
+from tests.distributed.harness import on_ranks, run_ranks
 
-RUNNER = Path(__file__).with_name("run_frozen.py")
 STEPS = 4
 
 
-def train(tmp_path: Path, precision: str, *specs: str) -> dict:
-    out = tmp_path / "frozen.pt"
-    run_ranks(RUNNER, str(out), str(STEPS), precision, *specs)
-    return torch.load(out)
+SGD_CONFIG = {"optimizer": {"type": "SGD", "params": {"lr": 0.2}}}
+
+
+class FrozenModule(pl.LightningModule):
+    def __init__(self, case: str, steps: int) -> None:
+        super().__init__()
+        self.case, self.steps = case, steps
+        self.automatic_optimization = False  # user-managed accumulation
+        if case in patterns.FROZEN_IN_THE_MIDDLE:
+            self.trained, _ = patterns.make_modules()
+            _, self.frozen = patterns.make_modules()
+        elif case != "configure_model":
+            self.frozen, self.trained = patterns.make_distill_modules()
+
+    def configure_model(self) -> None:
+        """Case ``configure_model``: the submodules are built here, under the strategy's ZeRO-3 init."""
+        if self.case == "configure_model" and not hasattr(self, "frozen"):
+            self.frozen, self.trained = patterns.make_distill_modules()
+            self.built_partitioned = {
+                "frozen": all(hasattr(p, "ds_id") for p in self.frozen.parameters()),
+                "trained": all(hasattr(p, "ds_id") for p in self.trained.parameters()),
+            }
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        if self.case in patterns.FROZEN_IN_THE_MIDDLE:
+            patterns.FROZEN_IN_THE_MIDDLE[self.case](self.trained, self.frozen, batch, opt, self.manual_backward)
+        else:
+            patterns.distill_step(self.frozen, self.trained, batch, opt, self.manual_backward)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer | None:
+        if self.case == "config_optimizer":
+            return None
+        return patterns.make_optimizer("sgd", self.trained.parameters())
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = patterns.make_batches(self.steps)
+        return sharded_loader(self, data)
+
+
+class ReadSummary(pl.Callback):
+    """What the trainer's ModelSummary callback counts at the start of fit, per top-level submodule."""
+
+    def __init__(self, summary: ModelSummary) -> None:
+        self.summary = summary
+        self.value: dict = {}
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        counted = self.summary._summary(trainer, pl_module)
+        layers = dict(zip(counted.layer_names, counted.param_nums, strict=True))
+        self.value = {"total": counted.total_parameters, "layers": layers}
+
+
+def partition_share(module: torch.nn.Module) -> float:
+    """The fraction of ``module``'s parameters this rank holds (1.0 when not partitioned)."""
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in module.parameters())
+    full = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.parameters())
+    return local / full
+
+
+def frozen_config(stage: str) -> dict:
+    if stage == "3o":
+        return {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    return {"zero_optimization": {"stage": int(stage)}}
+
+
+def fit_specs(steps: int, precision: str, specs: list[str]) -> dict[str, dict[str, Any]]:
+    """One rank: fit each spec; what the tests read of each."""
+    results = {}
+    for spec in specs:
+        case, frozen_stage, trained_stage = spec.split(":")
+        module = FrozenModule(case, steps)
+        trained = {"zero_optimization": {"stage": int(trained_stage)}}
+        if case == "config_optimizer":
+            trained.update(SGD_CONFIG)
+        strategy = MultiDeepSpeedStrategy(engine_configs={"frozen": frozen_config(frozen_stage), "trained": trained})
+        engines_at_end = AtFitEnd(
+            lambda s: {
+                "engines": sorted(s.engines),
+                "frozen_has_optimizer_state": bool(getattr(s.engines["frozen"], "basic_optimizer", None)),
+                "frozen_offloads_parameters": bool(s.engines["frozen"].zero_offload_param()),
+                "dtype": str(next(s.lightning_module.trained.parameters()).dtype),  # fp32 again after teardown
+                "in_use": [  # ZeRO-3 parameters a submodule still marks as in use after the last step
+                    name
+                    for name, p in s.lightning_module.named_parameters()
+                    if getattr(p, "ds_active_sub_modules", None)
+                ],
+            }
+        )
+        summary = ModelSummary()
+        read_summary = ReadSummary(summary)
+        trainer = cpu_trainer(
+            strategy,
+            callbacks=[engines_at_end, summary, read_summary],
+            enable_model_summary=True,
+            precision=precision,
+            enable_checkpointing=False,
+            use_distributed_sampler=False,
+        )
+        trainer.fit(module)
+        state = strategy.consolidated_state_dict()
+        results[spec] = {
+            "weights": {
+                k.replace("trained.", ""): v.float().clone() for k, v in state.items() if k.startswith("trained.")
+            },
+            "frozen_share": partition_share(module.frozen),
+            "frozen_training": module.frozen.training,
+            "frozen_requires_grad": any(p.requires_grad for p in module.frozen.parameters()),
+            "optimizers": [opt.name for opt in strategy.optimizers],
+            **engines_at_end.value,
+            "built_partitioned": getattr(module, "built_partitioned", None),
+            "trained_partitioned": any(hasattr(p, "ds_id") for p in module.trained.parameters()),
+            "case": case,
+            "summary": read_summary.value,
+            "summary_restored": "_summary" not in vars(summary),
+        }
+    return results
+
+
+def train(precision: str, *specs: str) -> dict:
+    return on_ranks(fit_specs, STEPS, precision, list(specs))[0]
 
 
 def assert_matches_reference(result: dict, case: str, tolerance: float = 1e-5) -> None:
@@ -60,67 +189,67 @@ def assert_summary_counts_whole(result: dict) -> None:
 
 
 @pytest.mark.parametrize("teacher_stage", [0, 3])
-def test_distillation_with_frozen_teacher_matches_pytorch(tmp_path: Path, teacher_stage: int) -> None:
+def test_distillation_with_frozen_teacher_matches_pytorch(teacher_stage: int) -> None:
     """Teacher at ZeRO {0, 3} x student at {1, 2, 3}, user-managed accumulation of 2, SGD."""
     specs = [f"distill:{teacher_stage}:{student}" for student in (1, 2, 3)]
-    results = train(tmp_path, "32-true", *specs)
+    results = train("32-true", *specs)
     for spec in specs:
         assert_matches_reference(results[spec], "distill")
         assert_frozen(results[spec], teacher_stage)
 
 
-def test_a_teacher_offloaded_to_the_cpu_gives_the_same_student(tmp_path: Path) -> None:
+def test_a_teacher_offloaded_to_the_cpu_gives_the_same_student() -> None:
     """``offload_param`` on a frozen ZeRO-3 teacher: its logits, and so the student's weights, are plain PyTorch's."""
     specs = ["distill:3o:1", "distill:3o:2"]
-    results = train(tmp_path, "32-true", *specs)
+    results = train("32-true", *specs)
     for spec in specs:
         assert results[spec]["frozen_offloads_parameters"] is True
         assert_matches_reference(results[spec], "distill")
         assert_frozen(results[spec], 3)
 
 
-def test_frozen_engine_in_the_middle_at_every_stage(tmp_path: Path) -> None:
+def test_frozen_engine_in_the_middle_at_every_stage() -> None:
     """loss = frozen_critic(G(z)): gradients pass through the frozen engine into G, both at the same stage."""
     specs = [f"frozen_middle:{stage}:{stage}" for stage in (0, 1, 2, 3)] + ["frozen_middle:3:1"]
-    results = train(tmp_path, "32-true", *specs)
+    results = train("32-true", *specs)
     for spec in specs:
         assert_matches_reference(results[spec], "frozen_middle")
         assert_frozen(results[spec], int(spec.split(":")[1]))
 
 
-def test_a_frozen_zero3_engine_called_twice_in_one_loss(tmp_path: Path) -> None:
+def test_a_frozen_zero3_engine_called_twice_in_one_loss() -> None:
     """loss = critic(G(z)) + critic(real): the critic's backward runs for its first call only.
 
     DeepSpeed's count of the gradients a submodule waits for restarts at each call, so the backward did not
     release the critic's parameters: they stayed gathered and marked in use, and the next partition failed.
     """
     specs = ["frozen_twice:3:0", "frozen_twice:3:3"]
-    results = train(tmp_path, "32-true", *specs)
+    results = train("32-true", *specs)
     for spec in specs:
         assert results[spec]["in_use"] == []
         assert_matches_reference(results[spec], "frozen_twice")
         assert_frozen(results[spec], 3)
 
 
-def test_optimizer_from_the_deepspeed_config(tmp_path: Path) -> None:
+def test_optimizer_from_the_deepspeed_config() -> None:
     """configure_optimizers returns None; the student's SGD comes from its DeepSpeed config."""
-    results = train(tmp_path, "32-true", "config_optimizer:3:2", "config_optimizer:0:0")
+    results = train("32-true", "config_optimizer:3:2", "config_optimizer:0:0")
     for spec, result in results.items():
         assert_matches_reference(result, "distill")
         assert_frozen(result, int(spec.split(":")[1]))
 
 
-def test_teacher_built_in_configure_model_is_partitioned_from_the_start(tmp_path: Path) -> None:
+def test_teacher_built_in_configure_model_is_partitioned_from_the_start() -> None:
     """A ZeRO-3 teacher is built under zero.Init; the ZeRO-2 student beside it ends up whole and trains."""
-    result = train(tmp_path, "32-true", "configure_model:3:2")["configure_model:3:2"]
+    result = train("32-true", "configure_model:3:2")["configure_model:3:2"]
     assert result["built_partitioned"] == {"frozen": True, "trained": True}, "zero.Init was not active"
     assert result["trained_partitioned"] is False, "the ZeRO-2 student must be made whole before its engine"
     assert_frozen(result, 3)
     assert_matches_reference(result, "distill")
 
 
-def test_bf16_distillation_learns(tmp_path: Path) -> None:
-    result = train(tmp_path, "bf16-mixed", "distill:3:2")["distill:3:2"]
+def test_bf16_distillation_learns() -> None:
+    result = train("bf16-mixed", "distill:3:2")["distill:3:2"]
     assert result["dtype"] == "torch.bfloat16"
     assert_frozen(result, 3)
     # bf16 keeps ~3 significant digits: compare with the fp32 reference at that resolution.

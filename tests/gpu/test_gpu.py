@@ -102,11 +102,9 @@ def test_validation_during_fit_at_zero3_leaves_training_equal(tmp_path: Path) ->
     assert_matches(result["weights"], patterns.reference("gan", "sgd", 4, validate_every=VALIDATE_EVERY), TOLERANCE)
 
 
-def test_distillation_with_a_zero3_teacher_matches_pytorch(tmp_path: Path) -> None:
-    out = tmp_path / "frozen.pt"
+def test_distillation_with_a_zero3_teacher_matches_pytorch() -> None:
     specs = ["distill:3:1", "distill:3:2", "distill:3:3"]
-    run_on_gpu("run_frozen.py", out, str(test_frozen.STEPS), "32-true", *specs)
-    results = torch.load(out)
+    results = on_gpu(test_frozen.fit_specs, test_frozen.STEPS, "32-true", specs)
     for spec in specs:
         test_frozen.assert_matches_reference(results[spec], "distill")
 
