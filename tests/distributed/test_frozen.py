@@ -5,25 +5,30 @@ The rank code of the fits, :func:`fit_specs`, fits each SPEC ``case:frozen_stage
 ``frozen_middle`` (loss = frozen critic(generator(z))), ``frozen_twice`` (the same and frozen critic(real) in one
 loss), ``config_optimizer`` (the student's optimizer comes from its DeepSpeed config) or ``configure_model`` (the
 distillation's submodules built in ``configure_model``), and returns what each ended with. The GPU suite runs it
-too, on one GPU.
+too, on one GPU. The memory tests' rank code follows it: :func:`build_big_teacher` (the peak memory of building
+a large ZeRO-3 teacher), :func:`watch_gathered` (which of a frozen ZeRO-3 teacher's parameters are whole during
+and after its forwards) and :func:`move_teachers` (the teacher's dtype each time setup moves it to a device, the
+GPU suite's too).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import threading
 from typing import Any
 
 import lightning.pytorch as pl
+import psutil
 import pytest
 import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from lightning.pytorch.callbacks import ModelSummary
+from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids._config import DEEPSPEED_ZERO3
 from tests import patterns
 from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
-from tests.distributed.harness import on_ranks, run_ranks
+from tests.distributed.harness import on_ranks
 
 STEPS = 4
 
@@ -147,6 +152,183 @@ def fit_specs(steps: int, precision: str, specs: list[str]) -> dict[str, dict[st
     return results
 
 
+WIDTH, LAYERS = 1024, 16  # about 16.8M parameters, 67 MB in fp32
+
+
+class PeakRSS:
+    """Sample this process's resident memory every millisecond while active; keep the peak."""
+
+    def __init__(self) -> None:
+        self.process = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> PeakRSS:
+        self.start = self.process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            self._stop.wait(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+
+class BigTeacher(pl.LightningModule):
+    def configure_model(self) -> None:
+        with PeakRSS() as memory:
+            self.teacher = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+            self.student = nn.Linear(WIDTH, WIDTH)
+        self.growth = memory.peak - memory.start
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = batch[:, :1].expand(-1, WIDTH).contiguous()
+        return (self.student(x) - self.teacher(x)).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.student.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(patterns.make_batches(1), batch_size=4)
+
+
+def gathered(module: nn.Module) -> list[str]:
+    """The names of ``module``'s ZeRO-3 parameters that are whole on this rank now."""
+    return [name for name, p in module.named_parameters() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE]
+
+
+class TwiceTeacher(pl.LightningModule):
+    """A teacher of 4 layers of 64 x 64 called on two micro-batches per step, and a student."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.seen: dict[str, list[list[str]]] = {"in_layer": [], "after_forward": []}
+
+    def configure_model(self) -> None:
+        self.teacher = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+        self.student = nn.Linear(64, 64)
+
+    def on_train_start(self) -> None:  # after the engines: these hooks run after ZeRO-3's own gather
+        self.student_bucket = self.trainer.strategy.engines["student"].zero_reduce_bucket_size()
+        for index, layer in enumerate(self.teacher):
+            layer.register_forward_pre_hook(lambda m, args, i=index: self._record_layer(i))
+
+    def _record_layer(self, index: int) -> None:
+        own = {f"{index}.weight", f"{index}.bias"}
+        self.seen["in_layer"].append([name for name in gathered(self.teacher) if name not in own])
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        x = batch[:, :1].expand(-1, 64).contiguous()
+        for half in (x[:2], x[2:]):
+            with torch.no_grad():
+                target = self.teacher(half)
+            self.seen["after_forward"].append(gathered(self.teacher))
+            self.manual_backward((self.student(half) - target).pow(2).mean())
+        self.optimizers().step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.student.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(patterns.make_batches(3), batch_size=4)
+
+
+class MovedTeacher(pl.LightningModule):
+    """A teacher (12.7 M parameters, 48 MiB in fp32) and a small student built whole in ``__init__``, in fp32.
+
+    Records the teacher's dtype each time setup moves a module holding it to a device, and on a GPU the peak
+    memory that setup adds.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(3)], nn.Linear(2048, 64))
+        self.student = nn.Linear(2048, 64)
+        self.teacher_bytes = sum(p.numel() for p in self.teacher.parameters()) * 4
+        self.moves: list[str] = []
+        self.setup_peak: int | None = None
+
+    def setup(self, stage: str) -> None:  # Lightning calls it before the strategy's setup; on_fit_start after
+        original = nn.Module.to
+
+        def to(module: nn.Module, *args: object, **kwargs: object) -> nn.Module:
+            device = torch._C._nn._parse_to(*args, **kwargs)[0]
+            if device is not None and any(m is self.teacher for m in module.modules()):
+                self.moves.append(str(next(self.teacher.parameters()).dtype))
+            return original(module, *args, **kwargs)
+
+        nn.Module.to = to  # type: ignore[method-assign]
+        self._restore = lambda: setattr(nn.Module, "to", original)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self._allocated = torch.cuda.memory_allocated()
+
+    def on_fit_start(self) -> None:
+        self._restore()
+        if torch.cuda.is_available():
+            self.setup_peak = torch.cuda.max_memory_allocated() - self._allocated
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = batch[:, :1].expand(-1, 2048).contiguous()
+        with torch.no_grad():
+            target = self.teacher(x)
+        return (self.student(x) - target).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.student.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(patterns.make_batches(1), batch_size=4)
+
+
+def build_big_teacher() -> dict[str, int]:
+    """One rank: this rank's peak memory growth while configure_model builds a large ZeRO-3 teacher."""
+    module = BigTeacher()
+    strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": {"stage": 3}}})
+    trainer = cpu_trainer(strategy, max_steps=1, enable_checkpointing=False)
+    trainer.fit(module)
+    teacher_bytes = sum(p.ds_numel for p in module.teacher.parameters()) * 4
+    local_bytes = sum(p.ds_tensor.numel() for p in module.teacher.parameters()) * 4
+    return {"growth": module.growth, "teacher_bytes": teacher_bytes, "local_bytes": local_bytes}
+
+
+def watch_gathered(zero: dict[str, Any]) -> dict[str, Any]:
+    """One rank: which of a ZeRO-3 teacher's parameters are gathered in each layer's forward and after each forward.
+
+    ``zero`` is the teacher's ``zero_optimization`` entry beyond the stage. The ZeRO-2 student's reduce bucket
+    size comes back too.
+    """
+    module = TwiceTeacher()
+    # Every parameter below DeepSpeed's persistence threshold (1e5 elements) would stay whole for good; with 0
+    # each takes part in gathering and releasing.
+    teacher = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+    strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": teacher})
+    trainer = cpu_trainer(strategy, enable_checkpointing=False)
+    trainer.fit(module)
+    return {**module.seen, "student_bucket": module.student_bucket}
+
+
+def move_teachers() -> dict[Any, Any]:
+    """One rank: bf16 fits with a ZeRO-2 and a ZeRO-3 frozen teacher built whole in ``__init__``; per stage, the
+    teacher's dtype at each move to a device during setup and (on a GPU) the peak memory setup adds."""
+    moves: dict[Any, Any] = {}
+    for stage in (2, 3):
+        module = MovedTeacher()
+        strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": {"stage": stage}}})
+        trainer = cpu_trainer(strategy, precision="bf16-mixed", max_steps=1, enable_checkpointing=False)
+        trainer.fit(module)
+        moves[stage] = {"moves": module.moves, "setup_peak": module.setup_peak}
+    moves["teacher_fp32_bytes"] = module.teacher_bytes
+    return moves
+
+
 def train(precision: str, *specs: str) -> dict:
     return on_ranks(fit_specs, STEPS, precision, list(specs))[0]
 
@@ -256,17 +438,15 @@ def test_bf16_distillation_learns() -> None:
     assert_matches_reference(result, "distill", tolerance=3e-2)
 
 
-def test_zero3_teacher_never_exists_whole_in_one_process(tmp_path: Path) -> None:
+def test_zero3_teacher_never_exists_whole_in_one_process() -> None:
     """Each rank's memory grows by about half a 64 MiB teacher while configure_model builds it, not all of it.
 
     glibc raises its mmap threshold as large blocks are freed and then keeps freed memory in the heap, so
     resident memory would count layers already partitioned and freed; a fixed threshold makes it count
     live memory only.
     """
-    out = tmp_path / "memory.pt"
-    run_ranks(Path(__file__).with_name("run_memory.py"), str(out), "build", env={"MALLOC_MMAP_THRESHOLD_": "131072"})
-    for rank in (0, 1):
-        result = torch.load(f"{out}.{rank}")
+    results = on_ranks(build_big_teacher, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    for rank, result in enumerate(results):
         assert result["local_bytes"] == pytest.approx(result["teacher_bytes"] / 2, rel=0.01)
         assert result["growth"] < 0.75 * result["teacher_bytes"], (
             f"rank {rank}: memory grew by {result['growth'] / 2**20:.0f} MiB while building a "
@@ -275,15 +455,12 @@ def test_zero3_teacher_never_exists_whole_in_one_process(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("settings", [{}, DEEPSPEED_ZERO3], ids=["lean-defaults", "users-settings"])
-def test_frozen_zero3_engine_holds_no_gathered_parameters_between_forwards(tmp_path: Path, settings: dict) -> None:
+def test_frozen_zero3_engine_holds_no_gathered_parameters_between_forwards(settings: dict) -> None:
     """A frozen ZeRO-3 teacher called twice per step: each layer is gathered for its forward alone, and nothing
     stays gathered after a forward. A user's explicit settings still win: with DeepSpeed's own values the
     layers ahead are gathered (prefetched) while a layer runs.
     """
-    out = tmp_path / "gathered.pt"
-    run_ranks(Path(__file__).with_name("run_memory.py"), str(out), "gathered", json.dumps(settings))
-    for rank in (0, 1):
-        seen = torch.load(f"{out}.{rank}")
+    for rank, seen in enumerate(on_ranks(watch_gathered, settings)):
         assert len(seen["in_layer"]) == 3 * 2 * 4 and len(seen["after_forward"]) == 3 * 2
         assert seen["student_bucket"] == 64 * 64 + 64, "the student's reduce bucket must fit its gradients alone"
         others_in_layer = [names for names in seen["in_layer"] if names]
@@ -295,16 +472,14 @@ def test_frozen_zero3_engine_holds_no_gathered_parameters_between_forwards(tmp_p
             assert not after, f"rank {rank}: parameters left gathered after the teacher's forward: {after}"
 
 
-def test_setup_moves_an_engines_submodule_to_the_device_only_after_its_cast(tmp_path: Path) -> None:
+def test_setup_moves_an_engines_submodule_to_the_device_only_after_its_cast() -> None:
     """bf16 fits with a frozen teacher built whole in fp32 in ``__init__`` (ZeRO-2, run replicated, and ZeRO-3):
     the teacher reaches the device only in bf16, through DeepSpeed, as under Lightning's DeepSpeedStrategy.
     Moved before the cast, it would be whole on a GPU in fp32. On a CPU the move is a no-op; the test records
     the dtype at each move (the GPU suite also checks the memory).
     """
-    out = tmp_path / "moved.pt"
-    run_ranks(Path(__file__).with_name("run_memory.py"), str(out), "moved")
-    for rank in (0, 1):
-        assert_moved_in_bf16(torch.load(f"{out}.{rank}"))
+    for result in on_ranks(move_teachers):
+        assert_moved_in_bf16(result)
 
 
 def assert_moved_in_bf16(result: dict) -> None:

@@ -149,11 +149,9 @@ def test_distillation_configs_train_through_the_cli(workdir: Path) -> None:  # n
     assert {"train/loss", "val/accuracy", "val/teacher_accuracy"} <= set(tags), tags
 
 
-def test_frozen_teacher_reaches_the_gpu_only_after_its_cast(tmp_path: Path) -> None:
+def test_frozen_teacher_reaches_the_gpu_only_after_its_cast() -> None:
     """A 48 MiB (fp32) teacher built in ``__init__``, bf16: setup never holds it on the device in fp32."""
-    out = tmp_path / "moved.pt"
-    run_on_gpu("run_memory.py", out, "moved")
-    result = torch.load(f"{out}.0")
+    result = on_gpu(test_frozen.move_teachers)
     test_frozen.assert_moved_in_bf16(result)
     if not ON_CPU:
         for stage in (2, 3):
