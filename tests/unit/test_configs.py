@@ -27,7 +27,8 @@ def parse(path: Path) -> ParseOnly:
 
 def test_every_example_has_a_config() -> None:
     names = {path.stem for path in CONFIGS}
-    assert {"gan", "distill_teacher", "distill_student", "distill", "rlhf", "contrastive"} <= names, names
+    examples = {"gan", "distill_teacher", "distill_student", "distill", "rlhf", "contrastive"}
+    assert examples | {"lm_distill_teacher", "lm_distill", "dpo"} <= names, names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
