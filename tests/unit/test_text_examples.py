@@ -1,0 +1,60 @@
+"""The language-model examples' own pieces: the corpus and its split, byte tokens, preference pairs, DPO's terms."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from examples.dpo import dpo_loss, preference_pairs, response_log_probs  # noqa: E402
+from examples.text import blocks, corpus, decode, encode  # noqa: E402
+
+
+def test_the_corpus_is_english_and_its_held_out_part_is_apart() -> None:
+    train, held_out = corpus()
+    assert len(train) > 200_000 and len(held_out) > 20_000, (len(train), len(held_out))
+    paragraphs = set(held_out.split(b"\n\n"))
+    shared = [p for p in train.split(b"\n\n") if len(p) > 200 and p in paragraphs]
+    assert len(shared) < 0.01 * len(paragraphs), f"{len(shared)} long paragraphs are in both parts"
+
+
+def test_bytes_round_trip_and_blocks_drop_the_remainder() -> None:
+    text = "Return the café."
+    assert decode(encode(text)) == text
+    assert encode(text).max() < 256
+    cut = blocks(text.encode(), 5)
+    assert cut.shape == (len(text.encode()) // 5, 5)
+    assert decode(cut.flatten()) == text.encode()[: cut.numel()].decode(errors="replace")
+
+
+def test_a_rejected_response_is_the_chosen_one_shuffled_after_the_same_prompt() -> None:
+    chosen, rejected = preference_pairs(corpus()[1][:4_000], prompt=12, response=8, seed=0)
+    assert chosen.shape == rejected.shape == (4_000 // 20, 20)
+    assert torch.equal(chosen[:, :12], rejected[:, :12])
+    assert torch.equal(chosen[:, 12:].sort(1).values, rejected[:, 12:].sort(1).values)
+    assert (chosen[:, 12:] != rejected[:, 12:]).any(1).float().mean() > 0.9
+
+
+def test_response_log_probs_sum_the_response_tokens_given_what_precedes_them() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(1, 5, 7)
+    model = lambda input_ids: SimpleNamespace(logits=logits)  # noqa: E731
+    sequence = torch.tensor([[1, 2, 3, 4, 5]])
+    log_p = logits.log_softmax(-1)
+    expected = log_p[0, 2, 4] + log_p[0, 3, 5]  # tokens 3 and 4 (values 4, 5), each from the position before
+    assert response_log_probs(model, sequence, start=3).item() == pytest.approx(expected.item())
+
+
+def test_dpo_starts_at_log_2_and_rewards_a_policy_that_prefers_the_chosen() -> None:
+    same = torch.tensor([-3.0, -5.0, -4.0, -6.0])  # 2 pairs: chosen, chosen, rejected, rejected
+    loss, margins = dpo_loss(same, same, beta=0.1)
+    assert loss.item() == pytest.approx(math.log(2)) and margins.tolist() == [0.0, 0.0]
+    policy = same + torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, margins = dpo_loss(policy, same, beta=0.5)
+    assert margins.tolist() == [1.0, 1.0]
+    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-1.0))))
