@@ -139,6 +139,19 @@ def test_contrastive_config_trains_with_grad_cache(workdir: Path) -> None:
     assert {"train/loss", "val/recall@1"} <= set(tags), tags
 
 
+def test_language_model_configs_chain_teacher_students_and_dpo(workdir: Path) -> None:
+    lightning_multids(workdir, "fit", "--config", "configs/lm_distill_teacher.yaml", *SHORT)
+    output = lightning_multids(workdir, "fit", "--config", "configs/lm_distill.yaml", *SHORT)
+    assert "Engines (ZeRO stage): {'student': 2, 'alone': 2, 'teacher': 3}" in output
+    assert re.search(r"^Held-out perplexity: +teacher [\d.]+, student [\d.]+, alone [\d.]+ \(per byte\)$", output, re.M)
+    assert re.search(r"^Generated \(teacher\): +'Return the ", output, re.M)
+    output = lightning_multids(workdir, "fit", "--config", "configs/dpo.yaml", *SHORT)
+    assert "Engines (ZeRO stage): {'policy': 2, 'reference': 3}" in output
+    assert re.search(r"^Held-out preference: +accuracy [\d.]+, reward margin -?[\d.]+$", output, re.M)
+    tags = events(workdir / "outputs" / "lm" / "dpo" / "version_0").Tags()["scalars"]
+    assert {"train/loss", "train/reward_margin", "train/accuracy", "val/accuracy"} <= set(tags), tags
+
+
 def test_ckpt_path_last_resumes_the_newest_run_of_the_logger(workdir: Path) -> None:
     """Each run logs into a new version folder; ``--ckpt_path last`` finds the previous one's last checkpoint."""
     output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *SHORT, "--ckpt_path", "last")

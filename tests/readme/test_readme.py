@@ -5,8 +5,9 @@ export, the CLI, the other examples. This test does the same: it clones the repo
 committed), takes every ```` ```bash ```` block of the clone's README in order, then those of each guide in
 :data:`DOCS`, in that order, and runs them all as one bash script (``set -e``) in the clone. Two things differ
 from typing them: ``tensorboard``, a server that runs until stopped, passes if it is still serving after 20 s;
-and the output is checked for what a run must not print (:data:`tests.distributed.test_examples.AVOIDABLE`) and
-for the demo's digits (none below 5% of samples).
+and the output is checked for what a run must not print (:data:`tests.distributed.test_examples.AVOIDABLE`), for
+the demo's digits (none below 5% of samples), and for the language models' results: the distilled student's
+held-out perplexity below the control's, and DPO's held-out preference accuracy above 0.5.
 
 It needs its own ``make demo`` install (a few minutes), so it runs only from ``make test-readme``
 (``README_DOCTEST=1``), part of ``make test-all``. The unit tests of this file (how blocks are found, that every
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_examples import AVOIDABLE
+from tests.distributed.test_examples import AVOIDABLE, events
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 45 * 60
@@ -34,11 +35,12 @@ PRELUDE = """set -eo pipefail
 tensorboard() { local rc=0; timeout 20 "$(type -P tensorboard)" "$@" || rc=$?; [ "$rc" -eq 124 ]; }
 """
 
-DOCS = ["docs/checkpoints.md", "docs/command-line.md", "docs/examples.md"]
+DOCS = ["docs/checkpoints.md", "docs/command-line.md", "docs/examples.md", "docs/language-models.md"]
 """The guides whose bash blocks run after the README's, in this order. The README's blocks come first: they run
 ``make demo`` and activate ``.venv``. Each guide comes after those whose commands it needs: the checkpoint guide
 exports the demo's checkpoint; the command-line guide validates and exports it too, and adds runs of its own
-(``version_1``, ``version_2``); the examples' commands need only the demo's install. A guide in ``docs/`` with a
+(``version_1``, ``version_2``); the examples' commands, the digits' and the language models', need only the
+demo's install. A guide in ``docs/`` with a
 bash block must be listed (:func:`test_every_guide_with_bash_blocks_is_run`)."""
 
 doctest_only = pytest.mark.skipif(os.environ.get("README_DOCTEST") != "1", reason="run by `make test-readme`")
@@ -77,6 +79,27 @@ def digit_shares(output: str) -> dict[int, float]:
     return {int(digit): float(share) for digit, share in re.findall(r"(\d): (\d+\.\d)%", line.group(1))}
 
 
+def perplexities(output: str) -> dict[str, float]:
+    """The distillation run's ``Held-out perplexity:`` line (``examples/lm_distill.py``) as model -> perplexity."""
+    line = re.search(r"^Held-out perplexity: +(teacher .*) \(per byte\)$", output, flags=re.M)
+    assert line is not None, "the language-model distillation printed no perplexities"
+    return {name: float(value) for name, value in re.findall(r"(\w+) (\d+\.\d+)", line.group(1))}
+
+
+def preference_accuracy(output: str) -> float:
+    """The held-out accuracy from the DPO run's ``Held-out preference:`` line (``examples/dpo.py``)."""
+    line = re.search(r"^Held-out preference: +accuracy (\d\.\d+), reward margin -?\d+\.\d+$", output, flags=re.M)
+    assert line is not None, "the DPO run printed no preference accuracy"
+    return float(line.group(1))
+
+
+def test_the_language_models_results_are_read() -> None:
+    output = "x\nHeld-out perplexity:  teacher 6.875, student 9.497, alone 10.619 (per byte)\n"
+    output += "Held-out preference:  accuracy 0.934, reward margin 0.517\n"
+    assert perplexities(output) == {"teacher": 6.875, "student": 9.497, "alone": 10.619}
+    assert preference_accuracy(output) == 0.934
+
+
 @doctest_only
 def test_readme_commands_run_as_printed(tmp_path: Path) -> None:
     clone = tmp_path / "lightning-multids"
@@ -109,3 +132,12 @@ def test_readme_commands_run_as_printed(tmp_path: Path) -> None:
     shares = digit_shares(output)
     assert sorted(shares) == list(range(10)), shares
     assert min(shares.values()) >= 5.0, f"the demo's GAN draws some digit in under 5% of samples: {shares}"
+    models = perplexities(output)
+    assert models["student"] < models["alone"], f"distilling did not help the student: {models}"
+    assert preference_accuracy(output) > 0.5, "DPO's held-out preference accuracy ended at 0.5 or below"
+    for folder in ("outputs/lm/exported/student", "outputs/lm/exported-dpo/policy"):  # loaded by from_pretrained
+        assert f"{folder}: 'Return the " in output, f"examples/generate.py did not continue a prompt with {folder}"
+    distilled = set(events(clone / "outputs/lm/distilled/version_0").Tags()["scalars"])
+    assert {"train/distill", "val/student_perplexity", "val/alone_perplexity"} <= distilled, distilled
+    dpo = set(events(clone / "outputs/lm/dpo/version_0").Tags()["scalars"])
+    assert {"train/loss", "train/reward_margin", "val/accuracy"} <= dpo, dpo
