@@ -47,7 +47,7 @@ def test_config_parses_and_its_strategy_builds(path: Path, monkeypatch: pytest.M
         return
     assert strategy.class_path == "lightning_multids.MultiDeepSpeedStrategy"
     built = MultiDeepSpeedStrategy(**dict(strategy.init_args))
-    for name, source in (strategy.init_args.get("engines") or {}).items():
+    for name, source in (strategy.init_args.get("engine_configs") or {}).items():
         if isinstance(source, str):
             assert built.engine_configs[name] == json.loads((REPO / source).read_text())
 
