@@ -60,7 +60,7 @@ test: lint typecheck pytest
 
 # tests/unit/test_packaging.py checks that the venv runs EXPECTED_PYTHON (a lane's) and the torch installed first.
 pytest: $(STAMP)
-	EXPECTED_TORCH="$(TORCH_SPEC)" EXPECTED_PYTHON="$(EXPECTED_PYTHON)" $(PY) -m pytest $(PYTEST_ARGS)
+	EXPECTED_TORCH="$(TORCH_SPEC)" EXPECTED_PYTHON="$(EXPECTED_PYTHON)" $(PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 # The differential fuzzer over a range of seeds (tests/fuzz): each seed's case trained on 2 CPU ranks and in plain
 # PyTorch, classified, failures shrunk; the report in outputs/fuzz/. `make test` runs a fixed slice of it.
