@@ -1,4 +1,6 @@
-"""Engine discovery on hundreds of random graphs: the engines found are those autograd gives a gradient.
+"""Engine discovery: optimizers matched to submodules at setup, and what a loss reaches at backward.
+
+What a loss reaches is checked on hundreds of random graphs: the engines found are those autograd gives a gradient.
 
 Each graph is built from four trainable engines, a frozen engine, a plain submodule and two inputs, with
 the operations users write: an engine called twice, engines chained, a submodule of one engine called
@@ -19,8 +21,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_multids._discovery import UNWALKED, Reach, reached_engines
+from lightning_multids._discovery import (
+    UNWALKED,
+    Reach,
+    check_engine_names,
+    match_optimizers,
+    parameter_owners,
+    reached_engines,
+)
 from lightning_multids._routing import Router
+from tests import patterns
 from tests.fakes import FakeEngine, routed_engine_set
 
 TRAINABLE = ("a", "b", "c", "d")
@@ -238,3 +248,96 @@ def test_a_hidden_graph_that_reaches_no_engine_is_refused_after_its_backward() -
         scaled.backward()
     assert calls == [("prologue", "b"), ("epilogue", "b")] and engine_set.backward_calls == 1
     assert [o.has_gradients for o in engine_set.optimizers] == [False, True, False, False]
+
+
+class GAN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator, self.discriminator = patterns.make_modules()
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+def sgd(*params: object) -> torch.optim.SGD:
+    return torch.optim.SGD(list(params), lr=0.1)  # type: ignore[arg-type]
+
+
+def test_each_optimizer_is_matched_to_its_submodule_in_order() -> None:
+    gan = GAN()
+    optimizers = [sgd(*gan.discriminator.parameters()), sgd(*gan.generator.parameters())]
+    assert list(match_optimizers(gan, optimizers).items()) == [("discriminator", 0), ("generator", 1)]
+
+
+def test_optimizer_with_several_param_groups_of_one_submodule() -> None:
+    gan = GAN()
+    first, *rest = gan.generator.parameters()
+    optimizer = torch.optim.SGD([{"params": [first], "lr": 0.1}, {"params": rest, "lr": 0.01}])
+    assert match_optimizers(gan, [optimizer]) == {"generator": 0}
+
+
+def test_optimizer_spanning_two_submodules_is_refused() -> None:
+    gan = GAN()
+    optimizer = sgd(*gan.generator.parameters(), *gan.discriminator.parameters())
+    with pytest.raises(
+        ValueError,
+        match=r"Optimizer 0 holds parameters of 'generator' and 'discriminator'.*one optimizer per submodule",
+    ):
+        match_optimizers(gan, [optimizer])
+
+
+def test_parameter_in_two_optimizers_is_refused() -> None:
+    gan = GAN()
+    shared = next(gan.generator.parameters())
+    optimizers = [sgd(*gan.generator.parameters()), sgd(shared)]
+    with pytest.raises(
+        ValueError, match=r"parameter of 'generator' is in optimizer 0 and optimizer 1.*remove it from one"
+    ):
+        match_optimizers(gan, optimizers)
+
+
+def test_parameter_of_the_lightning_module_itself_is_refused() -> None:
+    gan = GAN()
+    with pytest.raises(ValueError, match=r"belongs to the LightningModule itself.*move the parameter into a submodule"):
+        match_optimizers(gan, [sgd(gan.scale)])
+
+
+def test_two_optimizers_for_one_submodule_are_refused() -> None:
+    gan = GAN()
+    first, *rest = gan.generator.parameters()
+    with pytest.raises(ValueError, match=r"Optimizers 0 and 1 both train 'generator'.*several parameter groups"):
+        match_optimizers(gan, [sgd(first), sgd(*rest)])
+
+
+def test_engines_key_that_is_not_a_submodule_lists_the_submodules() -> None:
+    with pytest.raises(
+        ValueError, match=r"entry for 'critic'.*no submodule of that name.*'generator', 'discriminator'"
+    ):
+        check_engine_names(GAN(), ["generator", "critic"])
+
+
+def test_parameter_owners_skips_the_modules_own_parameters() -> None:
+    gan = GAN()
+    owners = parameter_owners(gan)
+    assert id(gan.scale) not in owners
+    assert {owners[id(p)] for p in gan.generator.parameters()} == {"generator"}
+
+
+def owners_of(gan: GAN) -> dict[int, str]:
+    return {id(p): name for name in ("generator", "discriminator") for p in getattr(gan, name).parameters()}
+
+
+def test_reached_engines_follows_the_graph_and_respects_detach() -> None:
+    gan = GAN()
+    real, z = patterns.split(torch.randn(4, 10))
+    fake = gan.generator(z)
+    d_loss = gan.discriminator(real).mean() + gan.discriminator(fake.detach()).mean()
+    g_loss = gan.discriminator(fake).mean()
+    assert reached_engines(d_loss, owners_of(gan)).names == {"discriminator"}
+    assert reached_engines(g_loss, owners_of(gan)).names == {"discriminator", "generator"}
+    assert reached_engines(gan.generator(z).detach().sum(), owners_of(gan)).names == set()
+
+
+def test_reached_engines_skips_an_engine_whose_gradients_are_off() -> None:
+    gan = GAN()
+    gan.discriminator.requires_grad_(False)
+    loss = gan.discriminator(gan.generator(torch.randn(2, 4))).sum()
+    assert reached_engines(loss, owners_of(gan)).names == {"generator"}

@@ -1,0 +1,42 @@
+"""The optimizer the module sees for an engine: its param groups, its scheduler, and clipping."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_multids._optimizer import EngineScheduler, _GroupView
+from tests.unit.test_discovery import sgd
+
+
+def test_group_view_shows_module_parameters_and_writes_hyperparameters_through() -> None:
+    params = list(nn.Linear(2, 2).parameters())
+    group = {"params": [torch.zeros(6)], "lr": 0.1}
+    view = _GroupView(group, params)
+    assert view["params"] is params
+    view["lr"] = 0.5
+    assert group["lr"] == 0.5
+    assert set(view) == {"params", "lr"}
+    with pytest.raises(ValueError, match=r"fixed when the engine is built.*configure_optimizers"):
+        view["params"] = []
+
+
+def test_engine_scheduler_refuses_a_second_step_and_reads_the_real_one() -> None:
+    optimizer = sgd(nn.Parameter(torch.ones(1)))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    visible = EngineScheduler("generator", scheduler)
+    assert visible.get_last_lr() == [0.1]
+    with pytest.raises(ValueError, match=r"engine 'generator' is stepped by its optimizer.*Remove the"):
+        visible.step()
+
+
+def test_clipping_by_value_in_manual_optimization_is_refused() -> None:
+    from lightning_multids._optimizer import EngineOptimizer
+    from lightning_multids._precision import EnginePrecision
+
+    module = nn.Linear(2, 2)
+    engine = SimpleNamespace(module=module, fp16_enabled=lambda: False, optimizer=None)
+    optimizer = EngineOptimizer("critic", engine, sgd(*module.parameters()), [list(module.parameters())])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"engine 'critic' by value is not available.*gradient_clip_algorithm='norm'"):
+        EnginePrecision().clip_gradients(optimizer, 0.5, "value")  # type: ignore[arg-type]

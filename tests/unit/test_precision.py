@@ -1,0 +1,89 @@
+"""Loss scales: read from each engine's optimizer, and each engine's gradients at its own scale in one backward."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_multids._compat.deepspeed import loss_scale
+from lightning_multids._precision import loss_scaling
+from tests.fakes import FakeEngine, routed_engine_set
+
+
+def fake_engine(module: nn.Module, scale: float | None) -> SimpleNamespace:
+    """An engine as the loss-scaling code sees it: fp16 with ``scale``, or bf16/fp32 when ``scale`` is None."""
+    return SimpleNamespace(
+        module=module, fp16_enabled=lambda: scale is not None, optimizer=SimpleNamespace(loss_scale=scale)
+    )
+
+
+def test_loss_scale_reads_zero_and_stage_0_fp16_optimizers() -> None:
+    assert loss_scale(fake_engine(nn.Linear(1, 1), None)) == 1.0
+    assert loss_scale(fake_engine(nn.Linear(1, 1), 1024.0)) == 1024.0
+    stage0 = SimpleNamespace(fp16_enabled=lambda: True, optimizer=SimpleNamespace(cur_scale=8.0))
+    assert loss_scale(stage0) == 8.0  # type: ignore[arg-type]
+
+
+class ScaledEngine(FakeEngine):
+    """A fake engine at an fp16 loss ``scale``, or bf16/fp32 when ``scale`` is None."""
+
+    def __init__(self, name: str, module: nn.Module, scale: float | None) -> None:
+        super().__init__(name, module, [])
+        self.optimizer = SimpleNamespace(loss_scale=scale)
+        self.scale = scale
+
+    def fp16_enabled(self) -> bool:
+        return self.scale is not None
+
+
+def test_each_engine_receives_gradients_at_its_own_loss_scale() -> None:
+    """One loss through an fp16 engine (scale 2^16), another fp16 engine (2^10) and a bf16 one (no scale)."""
+    torch.manual_seed(0)
+    first, second, third, unused = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(3, 3)
+    x = torch.randn(5, 3)
+    third(second(first(x))).sum().backward()
+    modules = dict(zip("abc", (first, second, third), strict=True))
+    expected = {name: [p.grad.clone() for p in m.parameters()] for name, m in modules.items()}
+    for module in (first, second, third):
+        module.zero_grad(set_to_none=True)
+    engines = {
+        "a": ScaledEngine("a", first, 2.0**16),
+        "b": ScaledEngine("b", second, 2.0**10),
+        "c": ScaledEngine("c", third, None),
+        "d": ScaledEngine("d", unused, 2.0**4),  # not reached: its scale must not set the loss's
+    }
+    assert loss_scaling({name: loss_scale(e) for name, e in engines.items()})[0] == 2.0**4  # type: ignore[arg-type]
+    routed = routed_engine_set(engines)
+    with routed.backward(third(second(first(x))).sum()) as scaled:
+        scaled.backward()
+    for name in "abc":
+        own = loss_scale(engines[name])  # type: ignore[arg-type]
+        for param, grad in zip(engines[name].module.parameters(), expected[name], strict=True):
+            torch.testing.assert_close(param.grad, grad * own)
+    with pytest.raises(RuntimeError, match="backward outside `self.manual_backward` reached .* engine 'c'"):
+        third(second(first(x))).sum().backward()  # outside a backward of the set: refused before accumulating
+    torch.testing.assert_close(third.bias.grad, expected["c"][-1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scales", [(None, None), (2.0**8, 2.0**8)], ids=["bf16", "fp16-one-scale"])
+def test_a_backward_at_one_loss_scale_does_not_walk_the_graph(
+    scales: tuple[float | None, float | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where every engine has the same loss scale, what the loss reaches is found as gradients arrive."""
+
+    def walk(*args: object) -> None:
+        raise AssertionError("the graph was walked")
+
+    monkeypatch.setattr("lightning_multids._engines.reached_engines", walk)
+    torch.manual_seed(0)
+    generator, discriminator = nn.Linear(2, 3), nn.Linear(3, 1)
+    engines = {"d": ScaledEngine("d", discriminator, scales[1]), "g": ScaledEngine("g", generator, scales[0])}
+    routed = routed_engine_set(engines)
+    z = torch.randn(4, 2)
+    with routed.backward(discriminator(generator(z).detach()).sum()) as scaled:
+        scaled.backward()
+    assert engines["d"].calls == [("prologue", "d"), ("epilogue", "d")] and not engines["g"].calls
+    assert generator.weight.grad is None
+    expected = torch.autograd.grad(discriminator(generator(z).detach()).sum(), discriminator.weight)[0]
+    torch.testing.assert_close(discriminator.weight.grad, expected * (scales[1] or 1.0))
