@@ -20,8 +20,7 @@ from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns, reach
 from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
 from tests.distributed.harness import on_ranks
-from tests.distributed.run_patterns import backward_state
-from tests.distributed.test_patterns import assert_backward_state_clean, assert_matches
+from tests.distributed.test_patterns import assert_backward_state_clean, assert_matches, backward_state
 
 TOLERANCE = 1e-5
 STEPS = 6

@@ -22,7 +22,8 @@ import torch
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
 from tests.distributed.common import cpu_trainer
-from tests.distributed.harness import REPO, free_port, rank_command, run_ranks
+from tests.distributed.harness import REPO, free_port, on_ranks, rank_command
+from tests.distributed.test_patterns import fit_patterns
 
 
 class Failing(pl.LightningModule):
@@ -105,14 +106,9 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
     return condition()
 
 
-def test_two_nodes_of_one_process_match_one_node_of_two(tmp_path: Path) -> None:
+def test_two_nodes_of_one_process_match_one_node_of_two() -> None:
     names = ("gan_toggle", "accumulate")
-    runner = Path(__file__).with_name("run_patterns.py")
-    results = {}
-    for nodes in (1, 2):
-        out = tmp_path / f"nodes{nodes}.pt"
-        run_ranks(runner, str(out), "2", "sgd", "4", "32-true", *names, nodes=nodes)
-        results[nodes] = torch.load(out)
+    results = {nodes: on_ranks(fit_patterns, 2, "sgd", 4, "32-true", list(names), nodes=nodes)[0] for nodes in (1, 2)}
     for name in names:
         expected = patterns.reference(name, "sgd", 4)
         for key, value in results[2][name]["weights"].items():

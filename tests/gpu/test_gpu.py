@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests import patterns
-from tests.distributed import test_checkpoint, test_frozen, test_gradcache
+from tests.distributed import test_checkpoint, test_frozen, test_gradcache, test_patterns
 from tests.distributed.harness import on_ranks, run_ranks
 from tests.distributed.test_examples import SHORT, events, lightning_multids, workdir  # noqa: F401 (fixture)
 from tests.distributed.test_patterns import (
@@ -56,38 +56,36 @@ def on_gpu(function: Callable[..., Any], *args: Any) -> Any:
     return on_ranks(function, *args, world_size=1, env=ONE_GPU, timeout=600)[0]
 
 
-def train(tmp_path: Path, stage: int, optimizer: str, steps: int, precision: str, *names: str) -> dict:
-    out = tmp_path / "weights.pt"
-    run_on_gpu("run_patterns.py", out, str(stage), optimizer, str(steps), precision, *names)
-    return torch.load(out)
+def train(stage: int, optimizer: str, steps: int, precision: str, *names: str) -> dict:
+    return on_gpu(test_patterns.fit_patterns, stage, optimizer, steps, precision, list(names))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_gan_patterns_match_pytorch(tmp_path: Path, stage: int) -> None:
-    results = train(tmp_path, stage, "sgd", 4, "32-true", *patterns.PATTERNS, *CHECKPOINTED)
+def test_gan_patterns_match_pytorch(stage: int) -> None:
+    results = train(stage, "sgd", 4, "32-true", *patterns.PATTERNS, *CHECKPOINTED)
     for name, result in results.items():
         assert (result["device"], result["ds_accelerator"]) == DEVICE
         assert_matches(result["weights"], patterns.reference(name.split("+")[0], "sgd", 4), TOLERANCE)
         assert_backward_state_clean(result)
 
 
-def test_gan_with_adam_at_zero3_matches_pytorch(tmp_path: Path) -> None:
-    results = train(tmp_path, 3, "adam", 12, "32-true", "gan", "gan_toggle")
+def test_gan_with_adam_at_zero3_matches_pytorch() -> None:
+    results = train(3, "adam", 12, "32-true", "gan", "gan_toggle")
     for pattern, result in results.items():
         assert_matches(result["weights"], patterns.reference(pattern, "adam", 12), TOLERANCE)
 
 
-def test_bf16_gan_trains_close_to_fp32(tmp_path: Path) -> None:
-    result = train(tmp_path, 2, "sgd", 4, "bf16-mixed", "gan")["gan"]
+def test_bf16_gan_trains_close_to_fp32() -> None:
+    result = train(2, "sgd", 4, "bf16-mixed", "gan")["gan"]
     assert result["dtype"] == "torch.bfloat16"
     assert_matches(result["weights"], patterns.reference("gan", "sgd", 4), 3e-2)
 
 
 @FP16
 @pytest.mark.parametrize("stage", [0, 2, 3])
-def test_fp16_engines_at_different_loss_scales_share_one_loss(tmp_path: Path, stage: int) -> None:
+def test_fp16_engines_at_different_loss_scales_share_one_loss(stage: int) -> None:
     """One loss through the generator (scale 2^8) and the discriminator (2^4): each steps at its own scale."""
-    result = train(tmp_path, stage, "sgd", 4, "16-mixed", "shared")["shared"]
+    result = train(stage, "sgd", 4, "16-mixed", "shared")["shared"]
     assert result["dtype"] == "torch.float16"
     if stage > 0:  # ZeRO optimizers expose their scale; no overflow, so the initial scales hold
         assert result["loss_scales"] == {"generator": 2.0**8, "discriminator": 2.0**4}
@@ -95,9 +93,9 @@ def test_fp16_engines_at_different_loss_scales_share_one_loss(tmp_path: Path, st
     assert_matches(result["weights"], patterns.reference("shared", "sgd", 4), 3e-2)
 
 
-def test_validation_during_fit_at_zero3_leaves_training_equal(tmp_path: Path) -> None:
+def test_validation_during_fit_at_zero3_leaves_training_equal() -> None:
     """Lightning validates under inference_mode with nccl; ZeRO-3 gathers inside it, then training goes on."""
-    result = train(tmp_path, 3, "sgd", 4, "32-true", "gan+validated")["gan+validated"]
+    result = train(3, "sgd", 4, "32-true", "gan+validated")["gan+validated"]
     assert math.isfinite(result["val_loss"])
     assert_matches(result["weights"], patterns.reference("gan", "sgd", 4, validate_every=VALIDATE_EVERY), TOLERANCE)
 
