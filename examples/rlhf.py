@@ -4,18 +4,20 @@ Run it through the CLI on 2 CPU processes (Lightning starts the second one)::
 
     lightning-multids fit --config configs/rlhf.yaml
 
-The task is small on purpose. Prompts are single digits; the actor (a GRU over tokens 0-9) continues each
-prompt with ``response_length`` sampled tokens. The reward model scores a sequence by how often a token is
-followed by its successor modulo 10 (:class:`CountingReward`), so the best policy counts upward from the
-prompt: ``3 -> 4 5 6 7 8 9 0 1``. A random policy scores about 0.1, counting scores 1.
+The task is small on purpose. Prompts are single digits; the actor, a Hugging Face GPT-2 over the tokens 0-9
+(built from a config: 2 blocks), continues each prompt with ``response_length`` sampled tokens. The reward
+model scores a sequence by how often a token is followed by its successor modulo 10 (:class:`CountingReward`),
+so the best policy counts upward from the prompt: ``3 -> 4 5 6 7 8 9 0 1``. A random policy scores about 0.1,
+counting scores 1.
 
-The actor trains under ZeRO-3 and the critic under ZeRO-1; the reference (a copy of the actor's initial
-weights) and the reward model are frozen engines partitioned at ZeRO-3 (``configs/ds/``). Each training
-step samples a batch of responses, scores them, and runs ``ppo_epochs`` clipped-surrogate updates of the
-actor and value updates of the critic. The actor generates inside ``strategy.gathered("actor")``: gathered
-once per rollout instead of layer by layer for every token; on a GPU the critic's states are off it meanwhile
-(``strategy.offloaded("critic")``). Each validation epoch logs the mean reward of
-sampled and of greedy responses to held-out prompts, and writes a few greedy responses to TensorBoard.
+The critic is a GPT-2 of the same size with one output per token (``GPT2ForTokenClassification``): the value after
+each prefix. The actor trains under ZeRO-3 and the critic under ZeRO-1; the reference (a copy of the actor's
+initial weights) and the reward model are frozen engines partitioned at ZeRO-3 (``configs/ds/``). Each training
+step samples a batch of responses, scores them, and runs ``ppo_epochs`` clipped-surrogate updates of the actor and
+value updates of the critic. The actor generates inside ``strategy.gathered("actor")``: gathered once per rollout
+instead of layer by layer for every token; on a GPU the critic's states are off it meanwhile
+(``strategy.offloaded("critic")``). Each validation epoch logs the mean reward of sampled and of greedy responses
+to held-out prompts, and writes a few greedy responses to TensorBoard.
 """
 
 from __future__ import annotations
@@ -30,60 +32,57 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from transformers import GPT2Config, GPT2ForTokenClassification, GPT2LMHeadModel
 
 VOCAB = 10
 
 
-class Policy(nn.Module):
-    """An autoregressive policy over the tokens 0-9: embedding, GRU, next-token logits."""
-
-    def __init__(self, hidden: int = 64) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, hidden)
-        self.gru = nn.GRU(hidden, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Next-token logits (B x T x 10) after each prefix of ``tokens`` (B x T)."""
-        output, _ = self.gru(self.embed(tokens))
-        return self.head(output)
-
-    def log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities (B x T-1) of ``sequences[:, 1:]``, each given the tokens before it."""
-        logits = self(sequences[:, :-1])
-        return logits.log_softmax(-1).gather(-1, sequences[:, 1:, None]).squeeze(-1)
-
-    @torch.no_grad()
-    def generate(
-        self, prompts: torch.Tensor, length: int, generator: torch.Generator | None = None, greedy: bool = False
-    ) -> torch.Tensor:
-        """Continue each prompt token (B) by ``length`` tokens: sampled (from ``generator``) or greedy.
-
-        Returns the sequences (B x 1+length), prompt first.
-        """
-        tokens, hidden = [prompts], None
-        for _ in range(length):
-            output, hidden = self.gru(self.embed(tokens[-1])[:, None], hidden)
-            logits = self.head(output[:, 0])
-            if greedy:
-                tokens.append(logits.argmax(-1))
-            else:
-                tokens.append(torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1))
-        return torch.stack(tokens, 1)
+def gpt2_config(hidden: int) -> GPT2Config:
+    """A GPT-2 of 2 blocks of width ``hidden`` over the tokens 0-9, without dropout; no token is padding."""
+    return GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=16,
+        n_embd=hidden,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        num_labels=1,
+    )
 
 
-class Critic(nn.Module):
-    """A value model: the expected return (B x T) after each prefix of ``tokens`` (B x T)."""
+def log_probs(policy: nn.Module, sequences: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities (B x T-1) of ``sequences[:, 1:]`` under ``policy``, each given the tokens before it."""
+    logits = policy(input_ids=sequences[:, :-1]).logits
+    return logits.log_softmax(-1).gather(-1, sequences[:, 1:, None]).squeeze(-1)
 
-    def __init__(self, hidden: int = 64) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, hidden)
-        self.gru = nn.GRU(hidden, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, 1)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        output, _ = self.gru(self.embed(tokens))
-        return self.head(output).squeeze(-1)
+@torch.no_grad()
+def sample(policy: nn.Module, prompts: torch.Tensor, length: int, generator: torch.Generator) -> torch.Tensor:
+    """Continue each prompt token (B) by ``length`` tokens sampled from ``policy`` with ``generator``: B x 1+length.
+
+    A loop of its own rather than ``generate(do_sample=True)``, which draws from torch's global generator: the
+    draws here are the same on every replay of a step (a resumed run's included).
+    """
+    sequences = prompts[:, None]
+    for _ in range(length):
+        probabilities = policy(input_ids=sequences).logits[:, -1].softmax(-1)
+        sequences = torch.cat([sequences, torch.multinomial(probabilities, 1, generator=generator)], 1)
+    return sequences
+
+
+def greedy(policy: GPT2LMHeadModel, prompts: torch.Tensor, length: int) -> torch.Tensor:
+    """Continue each prompt token (B) by ``length`` greedy tokens (Hugging Face's ``generate``): B x 1+length."""
+    return policy.generate(prompts[:, None], max_new_tokens=length, do_sample=False)
+
+
+def values(critic: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The critic's expected return (B x T) after each prefix of ``tokens`` (B x T): one output per token."""
+    return critic(input_ids=tokens).logits.squeeze(-1)
 
 
 class CountingReward(nn.Module):
@@ -132,7 +131,7 @@ class CountingPPO(pl.LightningModule):
     score, given at its last token, minus ``kl_coef`` times ``log p_actor - log p_reference`` at every token.
 
     Args:
-        hidden: the width of the actor's and the critic's GRU.
+        hidden: the width of the actor's and the critic's GPT-2.
         response_length: how many tokens the actor generates after each prompt.
         ppo_epochs: how many actor and critic updates each sampled batch gets.
         actor_lr: Adam's learning rate for the actor.
@@ -157,8 +156,8 @@ class CountingPPO(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.actor = Policy(hidden)
-        self.critic = Critic(hidden)
+        self.actor = GPT2LMHeadModel(gpt2_config(hidden))
+        self.critic = GPT2ForTokenClassification(gpt2_config(hidden))  # a value per token
         self.reference = copy.deepcopy(self.actor)
         self.reward = CountingReward()
 
@@ -194,45 +193,44 @@ class CountingPPO(pl.LightningModule):
         # CPU they are in host memory already, and the move would cost 0.8 s per step (a garbage collection among it).
         asleep = strategy.offloaded("critic") if self.device.type == "cuda" else contextlib.nullcontext()
         with asleep, strategy.gathered("actor") as actor:
-            sequences = actor.generate(prompts, self.hparams.response_length, generator=generator)
-            log_probs = actor.log_probs(sequences)
-        kl = log_probs - self.reference.log_probs(sequences)
-        values = self.critic(sequences[:, :-1])
+            sequences = sample(actor, prompts, self.hparams.response_length, generator)
+            actor_log_probs = log_probs(actor, sequences)
+        kl = actor_log_probs - log_probs(self.reference, sequences)
+        critic_values = values(self.critic, sequences[:, :-1])
         reward = self.reward(sequences)
         rewards = -self.hparams.kl_coef * kl
         rewards[:, -1] += reward
-        advantages = gae(rewards, values, self.hparams.gae_lambda)
-        returns = advantages + values
+        advantages = gae(rewards, critic_values, self.hparams.gae_lambda)
+        returns = advantages + critic_values
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-        return Rollout(sequences, log_probs, advantages, returns, reward, kl.sum(1))
+        return Rollout(sequences, actor_log_probs, advantages, returns, reward, kl.sum(1))
 
     def actor_loss(self, rollout: Rollout) -> torch.Tensor:
         """PPO's clipped surrogate loss of the actor on ``rollout``."""
-        ratio = (self.actor.log_probs(rollout.sequences) - rollout.log_probs).exp()
+        ratio = (log_probs(self.actor, rollout.sequences) - rollout.log_probs).exp()
         clipped = ratio.clamp(1 - self.hparams.clip_range, 1 + self.hparams.clip_range)
         return -torch.min(ratio * rollout.advantages, clipped * rollout.advantages).mean()
 
     def critic_loss(self, rollout: Rollout) -> torch.Tensor:
         """The critic's squared error against the returns of ``rollout``."""
-        values = self.critic(rollout.sequences[:, :-1])
-        return 0.5 * F.mse_loss(values, rollout.returns)
+        return 0.5 * F.mse_loss(values(self.critic, rollout.sequences[:, :-1]), rollout.returns)
 
     def validation_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> None:
         (prompts,) = batch
         length = self.hparams.response_length
         generator = seeded(self.device, 1, batch_idx, self.global_rank)  # the same draws every epoch
         with self.trainer.strategy.gathered("actor") as actor:
-            sampled = actor.generate(prompts, length, generator=generator)
-            greedy = actor.generate(prompts, length, greedy=True)
-        rewards = {"val/reward": self.reward(sampled).mean(), "val/greedy_reward": self.reward(greedy).mean()}
+            sampled = sample(actor, prompts, length, generator)
+            best = greedy(actor, prompts, length)
+        rewards = {"val/reward": self.reward(sampled).mean(), "val/greedy_reward": self.reward(best).mean()}
         self.log_dict(rewards, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         prompts = torch.arange(self.hparams.num_samples, device=self.device) % VOCAB
         with self.trainer.strategy.gathered("actor") as actor:
-            greedy = actor.generate(prompts, self.hparams.response_length, greedy=True)
+            best = greedy(actor, prompts, self.hparams.response_length)
         if self.trainer.is_global_zero and isinstance(self.logger, TensorBoardLogger):
-            lines = [f"    {s[0]} -> {' '.join(str(t) for t in s[1:])}" for s in greedy.tolist()]
+            lines = [f"    {s[0]} -> {' '.join(str(t) for t in s[1:])}" for s in best.tolist()]
             self.logger.experiment.add_text("greedy_responses", "\n".join(lines), self.global_step)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
