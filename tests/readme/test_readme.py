@@ -101,6 +101,7 @@ def test_the_language_models_results_are_read() -> None:
 
 
 @doctest_only
+@pytest.mark.timeout(TIMEOUT + 60)  # its own limit, which kills the script's processes, comes first
 def test_readme_commands_run_as_printed(tmp_path: Path) -> None:
     clone = tmp_path / "lightning-multids"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
