@@ -1,38 +1,39 @@
 """Save and resume every engine with Lightning's state, exactly; export to plain state dicts.
 
-The resume runs are run_resume.py's (the GPU suite runs it too). The other scenarios' rank code is here, after
-``assert_resumed_exactly``: a GAN trained 1 epoch at ZeRO-3 with ModelCheckpoint (:func:`train`), killed mid-save
-(:func:`fit_killed`), resumed (:func:`resume`), validated from a checkpoint or inside ``gathered``, and fitted from
-bad checkpoint paths; each returns what the tests read.
+The resume runs' rank code, :func:`resume_runs`, follows ``assert_resumed_exactly``: per ZeRO stage, a GAN or a
+distillation trained 2 epochs straight, and 1 epoch, saved, resumed for 1 more (the GPU suite runs it too, and
+test_reshape fits the distillation with :func:`fit_resumable`). The other scenarios' rank code follows it: a GAN
+trained 1 epoch at ZeRO-3 with ModelCheckpoint (:func:`train`), killed mid-save (:func:`fit_killed`), resumed
+(:func:`resume`), validated from a checkpoint or inside ``gathered``, and fitted from bad checkpoint paths; each
+returns what the tests read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import re
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from deepspeed import DeepSpeedEngine
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed.common import cpu_trainer
-from tests.distributed.harness import on_ranks, run_ranks
-
-RESUME = Path(__file__).with_name("run_resume.py")
+from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
+from tests.distributed.harness import on_ranks
 
 
 @pytest.mark.parametrize("case", ["gan", "distill"])
 def test_resume_at_an_epoch_boundary_is_bitwise_exact(tmp_path: Path, case: str) -> None:
-    out = tmp_path / "resume.pt"
-    run_ranks(RESUME, str(out), case, "0", "1", "2", "3", timeout=600)
-    for rank in (0, 1):
-        results = torch.load(f"{out}.{rank}", weights_only=False)
+    for rank, results in enumerate(on_ranks(resume_runs, tmp_path, case, [0, 1, 2, 3], timeout=600)):
         assert_resumed_exactly(results, f"{case}, rank {rank}")
         saved = ["discriminator", "generator"] if case == "gan" else ["student", "teacher"]  # save_frozen for distill
         assert all(result["straight"]["parts"] == saved for result in results.values())
@@ -41,25 +42,24 @@ def test_resume_at_an_epoch_boundary_is_bitwise_exact(tmp_path: Path, case: str)
 @pytest.mark.parametrize(
     ("case", "stages", "flags"),
     [
-        ("gan", "0123", []),
-        ("gan", "0123", ["--bf16"]),
-        ("distill", "2", []),
-        ("distill", "23", ["--ema", "--inside-gathered"]),
+        ("gan", "0123", {}),
+        ("gan", "0123", {"bf16": True}),
+        ("distill", "2", {}),
+        ("distill", "23", {"ema": True, "inside_gathered": True}),
     ],
     ids=["gan", "gan-bf16", "distill", "distill-inside-gathered"],
 )
 def test_save_checkpoint_after_fit_resumes_bitwise_exactly(
-    tmp_path: Path, case: str, stages: str, flags: list[str]
+    tmp_path: Path, case: str, stages: str, flags: dict[str, bool]
 ) -> None:
     """Lightning's documented ``trainer.fit(model); trainer.save_checkpoint(path)``, resumed with ``ckpt_path``.
 
     In bf16 the stopped engines' whole submodules are back in fp32 when it saves (as after teardown). Inside
     ``gathered`` of the ZeRO-3 teacher, student and EMA, the save writes what it writes outside.
     """
-    out = tmp_path / "resume.pt"
-    run_ranks(RESUME, str(out), case, *stages, "--after-fit", *flags, timeout=600)
-    for rank in (0, 1):
-        results = torch.load(f"{out}.{rank}", weights_only=False)
+    options = ResumeOptions(after_fit=True, **flags)
+    ranks = on_ranks(resume_runs, tmp_path, case, [int(s) for s in stages], options, timeout=600)
+    for rank, results in enumerate(ranks):
         assert sorted(results) == [int(stage) for stage in stages]
         assert_resumed_exactly(results, f"{case} {flags} saved after fit, rank {rank}")
 
@@ -72,10 +72,9 @@ def test_resume_with_weights_only_true_is_bitwise_exact(tmp_path: Path) -> None:
     """
     from lightning_multids._compat.deepspeed import checkpoint_globals
 
-    out = tmp_path / "resume.pt"
-    run_ranks(RESUME, str(out), "distill", "0", "1", "2", "3", "--ema", "--weights-only", timeout=600)
-    for rank in (0, 1):
-        results = torch.load(f"{out}.{rank}", weights_only=False)
+    options = ResumeOptions(ema=True, weights_only=True)
+    ranks = on_ranks(resume_runs, tmp_path, "distill", [0, 1, 2, 3], options, timeout=600)
+    for rank, results in enumerate(ranks):
         assert_resumed_exactly(results, f"distill with an EMA, weights_only=True, rank {rank}")
         assert all(result["straight"]["parts"] == ["student", "student_ema", "teacher"] for result in results.values())
     for stage in "0123":
@@ -89,17 +88,15 @@ def test_resume_with_weights_only_true_is_bitwise_exact(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("saved", "resumed"), [(1, 2), (2, 1)])
 def test_resume_between_zero1_and_zero2_is_exact(tmp_path: Path, saved: int, resumed: int) -> None:
     """DeepSpeed saves and loads ZeRO-1 and ZeRO-2 with one optimizer and one layout: a stage change between them."""
-    out = tmp_path / "resume.pt"
-    run_ranks(RESUME, str(out), "gan", str(saved), f"--resume-stage={resumed}", timeout=600)
-    for rank in (0, 1):
-        assert_resumed_exactly(torch.load(f"{out}.{rank}", weights_only=False), f"ZeRO-{saved} -> {resumed}")
+    for results in on_ranks(resume_runs, tmp_path, "gan", [saved], ResumeOptions(resume_stage=resumed), timeout=600):
+        assert_resumed_exactly(results, f"ZeRO-{saved} -> {resumed}")
 
 
 @pytest.mark.parametrize(("saved", "resumed"), [(2, 3), (3, 2), (0, 3), (3, 0), (2, 0), (0, 2)])
 def test_resume_at_another_stage_is_refused_before_any_engine_loads(tmp_path: Path, saved: int, resumed: int) -> None:
     """Each of these failed inside DeepSpeed's load (an AssertionError with no message, a missing file...)."""
     with pytest.raises(AssertionError, match="exited with") as failed:
-        run_ranks(RESUME, str(tmp_path / "out"), "gan", str(saved), f"--resume-stage={resumed}", "--no-straight")
+        on_ranks(resume_runs, tmp_path, "gan", [saved], ResumeOptions(resume_stage=resumed, straight=False))
     message = str(failed.value)
     expected = (
         rf"saved the engine '(generator|discriminator)' at ZeRO-{saved}, and it is ZeRO-{resumed} now.*Resume it at"
@@ -121,6 +118,159 @@ def assert_resumed_exactly(results: dict, where: str) -> None:
         for a, b in zip(straight["optimizer"], resumed["optimizer"], strict=True):
             assert torch.equal(a, b), f"{where_stage}: optimizer state differs after resume"
         assert "last.ckpt" in straight["files"] and not any(f.endswith(".partial") for f in straight["files"])
+
+
+BATCHES = 2  # per epoch and rank of the resume runs
+
+
+class Resumable(pl.LightningModule):
+    def __init__(self, case: str, ema: bool = False) -> None:
+        super().__init__()
+        self.case = case
+        self.automatic_optimization = False
+        if case == "gan":
+            self.generator, self.discriminator = patterns.make_modules()
+        else:
+            self.teacher, self.student = patterns.make_distill_modules()
+            if ema:
+                self.student_ema = copy.deepcopy(self.student)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.case == "gan":
+            opt_g, opt_d = self.optimizers()
+            patterns.gan_zero_first(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
+        else:
+            patterns.distill_step(self.teacher, self.student, batch, self.optimizers(), self.manual_backward)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        trained = [self.generator, self.discriminator] if self.case == "gan" else [self.student]
+        return [patterns.make_optimizer("adam", m.parameters()) for m in trained]
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = patterns.make_batches(BATCHES)
+        return sharded_loader(self, data)
+
+
+def optimizer_state(engine: object) -> list[torch.Tensor]:
+    """Adam's moments and the fp32 master weight of every parameter, whole (ZeRO partitions gathered).
+
+    Read per parameter, so the padding at the end of a ZeRO partition (uninitialised memory) is left out. A bf16
+    engine at stage 0 (DeepSpeed's ``FP16_UnfusedOptimizer`` with a torch Adam) keeps fp32 masters of its own.
+    """
+    state = []
+    if engine.zero_optimization_stage() == 0 and engine.bfloat16_enabled():
+        for master in (p for group in engine.optimizer.fp32_groups for p in group):
+            moments = engine.optimizer.optimizer.state[master]
+            state += [moments["exp_avg"].clone(), moments["exp_avg_sq"].clone(), master.detach().clone()]
+        return state
+    for param in engine.module.parameters():
+        if engine.zero_optimization_stage() == 0:
+            moments = engine.optimizer.state[param]
+            state += [moments["exp_avg"].clone(), moments["exp_avg_sq"].clone(), param.detach().clone()]
+        else:
+            state += [safe_get_full_optimizer_state(param, key).clone() for key in ("exp_avg", "exp_avg_sq")]
+            state.append(safe_get_full_fp32_param(param).clone())
+    return state
+
+
+class SavesInsideGathered(pl.Callback):
+    """At the end of training, ``trainer.save_checkpoint`` inside ``gathered`` of every engine."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with contextlib.ExitStack() as blocks:
+            for name in trainer.strategy.engines:  # type: ignore[attr-defined]
+                blocks.enter_context(trainer.strategy.gathered(name))  # type: ignore[attr-defined]
+            trainer.save_checkpoint(self.path)
+
+
+def fit_resumable(
+    case: str,
+    stage: int,
+    epochs: int,
+    root: Path,
+    ckpt_path: str | None = None,
+    save_after: bool = False,
+    *,
+    bf16: bool = False,
+    ema: bool = False,
+    weights_only: bool = False,
+    inside_gathered: bool = False,
+) -> dict:
+    """Fit ``case`` at ``stage`` for ``epochs`` under ``root``, from ``ckpt_path`` if given; what it ended with.
+
+    ``save_after``: ``trainer.save_checkpoint(root / "after-fit.ckpt")`` after ``fit`` returns, or with
+    ``inside_gathered`` at ``on_train_end`` inside ``gathered`` of every engine.
+    """
+    flags = dict(precision="bf16-mixed") if bf16 else {}
+    module = Resumable(case, ema=ema)
+    engines = {"teacher": {"zero_optimization": {"stage": 3}}} if case == "distill" else {}
+    averages = {"student_ema": ("student", 0.9)} if ema else None
+    strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=engines, save_frozen=case == "distill", ema=averages)
+    optimizers_at_end = AtFitEnd(lambda s: [t for opt in s.optimizers for t in optimizer_state(opt.engine)])
+    trainer = cpu_trainer(
+        strategy,
+        max_epochs=epochs,
+        use_distributed_sampler=False,
+        callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_top_k=-1), optimizers_at_end],
+        default_root_dir=root,
+        **flags,
+    )
+    if save_after and inside_gathered:
+        trainer.callbacks.append(SavesInsideGathered(root / "after-fit.ckpt"))
+    trainer.fit(module, ckpt_path=ckpt_path, weights_only=True if weights_only else None)
+    if save_after and not inside_gathered:
+        trainer.save_checkpoint(root / "after-fit.ckpt")
+    return {
+        "weights": strategy.consolidated_state_dict(),
+        "optimizer": optimizers_at_end.value,
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "files": sorted(p.name for p in root.iterdir()),
+        "parts": sorted(p.name for p in (root / "last.ckpt" / "engines").iterdir()),
+    }
+
+
+@dataclass(frozen=True)
+class ResumeOptions:
+    """How :func:`resume_runs` runs; each option but the last three goes to every :func:`fit_resumable`."""
+
+    bf16: bool = False  # trains in bf16-mixed
+    ema: bool = False  # adds student_ema, an EMA engine of the student (distill only)
+    weights_only: bool = False  # resumes with weights_only=True
+    inside_gathered: bool = False  # with after_fit: saves at on_train_end inside gathered of every engine
+    after_fit: bool = False  # saves the first epoch with trainer.save_checkpoint after fit returns
+    resume_stage: int | None = None  # resumes at this ZeRO stage, not the stage saved
+    straight: bool = True  # False: no straight run
+
+
+def resume_runs(root: Path, case: str, stages: list[int], options: ResumeOptions = ResumeOptions()) -> dict:
+    """One rank: per stage, 2 epochs straight and 1 epoch, saved, resumed for 1 more, under ``root/CASE-STAGE``.
+
+    ``case`` is ``gan`` (two engines, Adam) or ``distill`` (frozen ZeRO-3 teacher, saved with
+    ``save_frozen=True``, Adam student). The first epoch is saved by ``ModelCheckpoint(save_last=True)``, or as
+    ``options`` say. Returns {stage: {"straight": ..., "resumed": ...}}, each what :func:`fit_resumable` returned.
+    """
+    flags = {"bf16": options.bf16, "ema": options.ema, "weights_only": options.weights_only}
+    flags["inside_gathered"] = options.inside_gathered
+    saved = "after-fit.ckpt" if options.after_fit else "last.ckpt"
+    results = {}
+    for stage in stages:
+        folder = root / f"{case}-{stage}"
+        plain = fit_resumable(case, stage, 2, folder / "straight", **flags) if options.straight else None
+        fit_resumable(case, stage, 1, folder / "first", save_after=options.after_fit, **flags)
+        resumed = fit_resumable(
+            case,
+            stage if options.resume_stage is None else options.resume_stage,
+            2,
+            folder / "second",
+            ckpt_path=str(folder / "first" / saved),
+            **flags,
+        )
+        results[stage] = {"straight": plain, "resumed": resumed}
+    return results
 
 
 class GAN(pl.LightningModule):

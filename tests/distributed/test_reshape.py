@@ -2,8 +2,8 @@
 
 Each run is one phase of a resume at another world size, for the EMA GAN with schedulers (Adam), per SPEC
 ``SOURCE:AVERAGE`` as in ``test_ema.py`` (the generator's and its EMA engine's ZeRO stages; the discriminator is
-ZeRO-2), or ``distill:STAGE``: the distillation of ``run_resume.py``, a frozen ZeRO-3 teacher (saved,
-``save_frozen=True``) and a student at STAGE. Phase ``first`` trains 1 epoch and saves ``last.ckpt``; ``second``
+ZeRO-2), or ``distill:STAGE``: the distillation of ``test_checkpoint.py``'s resume runs, a frozen ZeRO-3 teacher
+(saved, ``save_frozen=True``) and a student at STAGE. Phase ``first`` trains 1 epoch and saves ``last.ckpt``; ``second``
 resumes from it, at whatever world size this run has, and trains 1 more. The GAN's engines halve their learning
 rate after each epoch (``StepLR``, stepped by the module); ``bf16`` trains in bf16-mixed. Each phase returns, on
 every rank (the tests read rank 0's), {spec: {"weights": consolidated state dict at the end, "optimizer": Adam's
@@ -23,10 +23,10 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
-from tests.distributed import run_resume, test_ema
+from tests.distributed import test_checkpoint, test_ema
 from tests.distributed.common import AtFitEnd, AtTrainStart, cpu_trainer
 from tests.distributed.harness import on_ranks
-from tests.distributed.run_resume import optimizer_state
+from tests.distributed.test_checkpoint import optimizer_state
 
 DECAY = 0.7
 TOLERANCE = 1e-6
@@ -55,7 +55,7 @@ def read_optimizers(strategy: MultiDeepSpeedStrategy) -> list[torch.Tensor]:
 def fit(spec: str, epochs: int, root: Path, ckpt_path: str | None = None, bf16: bool = False) -> dict[str, Any]:
     source, average = spec.split(":")
     if source == "distill":
-        return run_resume.fit("distill", int(average), epochs, root, ckpt_path=ckpt_path)
+        return test_checkpoint.fit_resumable("distill", int(average), epochs, root, ckpt_path=ckpt_path)
     strategy = MultiDeepSpeedStrategy(
         engine_configs={
             "generator": test_ema.zero(source),
@@ -144,13 +144,13 @@ def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 
 def reference_distill() -> dict:
-    """Plain PyTorch for ``run_resume.py``'s distillation, 2 epochs: the student with Adam, the teacher frozen."""
+    """Plain PyTorch for ``test_checkpoint.py``'s distillation, 2 epochs: the student with Adam, the teacher frozen."""
     teacher, student = patterns.make_distill_modules()
     teacher.eval().requires_grad_(False)
     opt = patterns.make_optimizer("adam", student.parameters())
-    data, global_batch = patterns.make_batches(run_resume.BATCHES), 8
+    data, global_batch = patterns.make_batches(test_checkpoint.BATCHES), 8
     for _ in range(2):
-        for step in range(run_resume.BATCHES):
+        for step in range(test_checkpoint.BATCHES):
             batch = data[step * global_batch : (step + 1) * global_batch]
             patterns.distill_step(teacher, student, batch, opt, lambda loss: loss.backward())
     weights = {f"teacher.{k}": v.detach().clone() for k, v in teacher.state_dict().items()}

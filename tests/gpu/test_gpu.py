@@ -1,4 +1,4 @@
-"""The equivalence suite on one GPU: one process, nccl, the same runner scripts as the 2-rank CPU suite.
+"""The equivalence suite on one GPU: one process, nccl, the same rank code as the 2-rank CPU suite.
 
 Run with ``make test-gpu``; skipped with "no CUDA" where there is none. With nccl, Lightning evaluates
 under ``torch.inference_mode`` (with gloo under ``no_grad``), and autograd runs a CUDA backward on its own
@@ -21,7 +21,7 @@ import torch
 
 from tests import patterns
 from tests.distributed import test_checkpoint, test_frozen, test_gradcache, test_patterns
-from tests.distributed.harness import on_ranks, run_ranks
+from tests.distributed.harness import on_ranks
 from tests.distributed.test_examples import SHORT, events, lightning_multids, workdir  # noqa: F401 (fixture)
 from tests.distributed.test_patterns import (
     CHECKPOINTED,
@@ -39,16 +39,11 @@ pytestmark = [
     ),
 ]
 
-DISTRIBUTED = Path(__file__).parents[1] / "distributed"
 ACCELERATOR = "cpu" if ON_CPU else "gpu"
 ONE_GPU = {"TEST_ACCELERATOR": ACCELERATOR}
 GPU_CLI = [f"--trainer.accelerator={ACCELERATOR}", "--trainer.devices=1"]
 DEVICE = ("cpu", "cpu") if ON_CPU else ("cuda:0", "cuda")
 FP16 = pytest.mark.skipif(ON_CPU, reason="fp16 does not run on CPU")
-
-
-def run_on_gpu(runner: str, out: Path, *args: str) -> None:
-    run_ranks(DISTRIBUTED / runner, str(out), *args, world_size=1, env=ONE_GPU, timeout=600)
 
 
 def on_gpu(function: Callable[..., Any], *args: Any) -> Any:
@@ -115,17 +110,16 @@ def test_grad_cache_equals_full_batch_pytorch(stage: int) -> None:
 
 
 def test_resume_is_bitwise_exact(tmp_path: Path) -> None:
-    out = tmp_path / "resume.pt"
-    run_on_gpu("run_resume.py", out, "gan", "0", "2", "3")
-    test_checkpoint.assert_resumed_exactly(torch.load(f"{out}.0", weights_only=False), "gan, one process")
+    results = on_gpu(test_checkpoint.resume_runs, tmp_path, "gan", [0, 2, 3])
+    test_checkpoint.assert_resumed_exactly(results, "gan, one process")
 
 
 def test_save_checkpoint_after_fit_resumes_bitwise_exactly(tmp_path: Path) -> None:
     """After fit the module is on the CPU and Adam's moments in host memory (Lightning's teardown moves both),
     while the stopped engines' fp32 partitions stay on the GPU."""
-    out = tmp_path / "resume.pt"
-    run_on_gpu("run_resume.py", out, "gan", "0", "2", "3", "--after-fit", "--bf16")
-    test_checkpoint.assert_resumed_exactly(torch.load(f"{out}.0", weights_only=False), "gan after fit, one process")
+    options = test_checkpoint.ResumeOptions(after_fit=True, bf16=True)
+    results = on_gpu(test_checkpoint.resume_runs, tmp_path, "gan", [0, 2, 3], options)
+    test_checkpoint.assert_resumed_exactly(results, "gan after fit, one process")
 
 
 @pytest.mark.parametrize(
