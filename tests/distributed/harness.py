@@ -4,7 +4,8 @@ Each rank is its own process with ``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE`` an
 port, so Lightning does not re-launch anything; a rank that hangs or fails fails the test.
 
 :func:`on_ranks` runs a function of the test module itself on every rank and returns each rank's result, so a
-test keeps its rank code beside its assertions; :func:`run_ranks` runs a script (the older ``run_*.py`` runners).
+test keeps its rank code beside its assertions; :func:`run_ranks` runs a script (the fuzzer's; on_ranks runs
+its own with it).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def on_ranks(
     its result go through ``torch.save``. A rank that fails or hangs fails the caller, with its output.
     """
     with tempfile.TemporaryDirectory() as folder:
-        command = rank_command(Path(folder), function, *args)
+        command = _command(Path(folder), function, args, caller="on_ranks")
         run_ranks(Path(command[0]), *command[1:], world_size=world_size, timeout=timeout, env=env, nodes=nodes)
         return [torch.load(f"{command[-1]}.{rank}", weights_only=False) for rank in range(world_size)]
 
@@ -109,8 +110,13 @@ def rank_command(folder: Path, function: Callable[..., Any], *args: Any) -> list
     ``OUT``, the last argument, and the saved ``args`` are in ``folder``. For a test that starts the ranks
     itself (one that watches how they end); :func:`on_ranks` runs it on every rank and waits.
     """
+    return _command(folder, function, args, caller="rank_command")
+
+
+def _command(folder: Path, function: Callable[..., Any], args: tuple[Any, ...], caller: str) -> list[str]:
+    """:func:`rank_command`'s work; ``caller``, the harness function called, names itself in the refusal."""
     if "<locals>" in function.__qualname__ or function.__module__ == "__main__":
-        raise ValueError(f"on_ranks runs module-level functions of importable modules, not {function.__qualname__}")
+        raise ValueError(f"{caller} runs module-level functions of importable modules, not {function.__qualname__}")
     arguments, out = folder / "args.pt", folder / "result"
     torch.save(args, arguments)
     target = f"{function.__module__}:{function.__qualname__}"

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import on_ranks
+from tests.distributed.harness import on_ranks, rank_command
 
 
 def rank_and_argument(argument: int) -> tuple[str, int]:
@@ -31,5 +32,7 @@ def test_a_local_function_is_refused() -> None:
     def local() -> None:
         pass
 
-    with pytest.raises(ValueError, match="module-level functions"):
+    with pytest.raises(ValueError, match="^on_ranks runs module-level functions"):
         on_ranks(local)
+    with pytest.raises(ValueError, match="^rank_command runs module-level functions"):  # called directly
+        rank_command(Path(), local)
