@@ -1,4 +1,4 @@
-"""What every per-rank runner script builds the same way: a quiet 2-process CPU Trainer and a sharded loader."""
+"""What rank code builds the same way: a quiet 2-process CPU Trainer and a sharded loader."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def cpu_trainer(strategy: pl.strategies.Strategy, **kwargs: Any) -> pl.Trainer:
     """A Trainer on 2 CPU processes with ``strategy``, no logger, progress bar or summary; ``kwargs`` win.
 
     With ``TEST_NUM_NODES=2`` in the environment (see ``harness.run_ranks(nodes=2)``) the 2 processes are
-    2 nodes of 1 process each. The GPU suite runs the same scripts as one process on one GPU:
-    ``TEST_ACCELERATOR=gpu`` and ``WORLD_SIZE=1`` (see ``harness.run_ranks(world_size=1)``).
+    2 nodes of 1 process each. The GPU suite runs the same rank code as one process on one GPU:
+    ``TEST_ACCELERATOR=gpu`` and ``WORLD_SIZE=1`` (see ``harness.on_ranks(world_size=1)``).
     """
     nodes = int(os.environ.get("TEST_NUM_NODES", "1"))
     options: dict[str, Any] = {

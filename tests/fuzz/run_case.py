@@ -110,7 +110,7 @@ class FuzzModule(pl.LightningModule):
 def engine_config(engine: Engine) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": engine.stage}
     config: dict[str, Any] = {"zero_optimization": zero}
-    if engine.offload:  # torch's optimizer on the CPU, as tests/distributed/run_patterns.py's OFFLOAD
+    if engine.offload:  # torch's optimizer on the CPU, as tests/distributed/test_patterns.py's OFFLOAD
         zero["offload_optimizer"] = {"device": "cpu"}
         config["zero_force_ds_cpu_optimizer"] = False
     if engine.fp32_grad_accum:
