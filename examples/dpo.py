@@ -15,28 +15,27 @@ log-ratio of the rejected)`` and the accuracy (the share of pairs whose margin i
 
 from __future__ import annotations
 
-import warnings
-from pathlib import Path
-
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from peft import LoraConfig, PeftModel, get_peft_model
 from torch.utils.data import DataLoader, TensorDataset
 
-from examples.lm_distill import continuations, log_text
+from examples.lm_distill import STUDENT_FIRST, checkpoint_weights, continuations, log_text, with_lora
 from examples.text import blocks, corpus, gpt2
-from lightning_multids.checkpoint import consolidated_state_dicts
 
 
 def preference_pairs(data: bytes, prompt: int, response: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected), each n x (prompt + response) tokens: the text's own continuation, and it shuffled."""
+    """(chosen, rejected), each n x (prompt + response) tokens: the text's own continuation, and it shuffled.
+
+    A pair whose shuffle changes nothing (a response of one repeated byte, say) is left out.
+    """
     chosen = blocks(data, prompt + response)
     generator = torch.Generator().manual_seed(seed)
     order = torch.stack([torch.randperm(response, generator=generator) for _ in range(len(chosen))])
     rejected = chosen.clone()
     rejected[:, prompt:] = chosen[:, prompt:].gather(1, order)
-    return chosen, rejected
+    differ = (chosen != rejected).any(1)
+    return chosen[differ], rejected[differ]
 
 
 def response_log_probs(model: torch.nn.Module, sequences: torch.Tensor, start: int) -> torch.Tensor:
@@ -87,35 +86,25 @@ class DPO(pl.LightningModule):
         self.policy: torch.nn.Module = gpt2(layers, width, heads)
         self.reference = gpt2(layers, width, heads)
         self.run_summary: dict[str, str] = {}
+        self.started = False
 
     def setup(self, stage: str) -> None:
-        """Load the starting weights into policy and reference, then add the adapters (before the engines exist)."""
-        if isinstance(self.policy, PeftModel):  # set up already (fit, then test)
+        """Load the starting weights into policy and reference, then add the adapters (before the engines exist).
+
+        Once: a later ``validate`` of the same module keeps what ``fit`` trained (and a ZeRO-3 reference stays
+        partitioned after ``fit``, so it cannot load whole weights again).
+        """
+        if self.started:
             return
+        self.started = True
         weights = self.policy.state_dict()
         if self.hparams.student_checkpoint is not None:
-            path = Path(self.hparams.student_checkpoint)
-            if not path.exists():
-                raise FileNotFoundError(
-                    f"The student checkpoint {str(path)!r} does not exist. Distill the student first: "
-                    "`lightning-multids fit --config configs/lm_distill.yaml` writes it (after "
-                    "configs/lm_distill_teacher.yaml)."
-                )
-            weights = consolidated_state_dicts(path)[self.hparams.engine]
+            weights = checkpoint_weights(self.hparams.student_checkpoint, self.hparams.engine, STUDENT_FIRST)
             self.policy.load_state_dict(weights)
         self.reference.load_state_dict(weights)
         self.reference.requires_grad_(False)
         if self.hparams.lora_rank:
-            adapters = LoraConfig(
-                r=self.hparams.lora_rank,
-                lora_alpha=2 * self.hparams.lora_rank,
-                lora_dropout=0.0,
-                target_modules=["c_attn", "c_fc"],
-                fan_in_fan_out=True,  # GPT-2's projections are Conv1D layers
-            )
-            with warnings.catch_warnings():  # peft 0.21 reads an attribute that transformers 5 deprecates
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-                self.policy = get_peft_model(self.policy, adapters)
+            self.policy = with_lora(self.policy, self.hparams.lora_rank)
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor], split: str) -> torch.Tensor:
         """DPO's loss on ``batch`` (chosen, rejected); logs it, the mean reward margin and the accuracy."""

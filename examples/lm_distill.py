@@ -15,12 +15,14 @@ Each run ends by printing held-out perplexity and a few greedy continuations (ge
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
+from peft import LoraConfig, get_peft_model
 from torch.optim.lr_scheduler import LRScheduler, OneCycleLR
 from torchmetrics.text import Perplexity
 
@@ -101,6 +103,38 @@ class CausalLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+TEACHER_FIRST = "Train the teacher first: `lightning-multids fit --config configs/lm_distill_teacher.yaml` writes it."
+STUDENT_FIRST = "Distill the student first: `lightning-multids fit --config configs/lm_distill.yaml` writes it."
+
+
+def checkpoint_weights(path: str, engine: str, remedy: str) -> dict[str, torch.Tensor]:
+    """The whole weights of ``engine`` in the checkpoint at ``path``; if there is none, an error saying ``remedy``."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"The checkpoint {path!r} does not exist. {remedy}")
+    weights = consolidated_state_dicts(Path(path))
+    if engine not in weights:
+        raise KeyError(f"The checkpoint {path!r} has no engine {engine!r}; it has {sorted(weights)}.")
+    return weights[engine]
+
+
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """``model`` with LoRA adapters of ``rank`` on its attention and feed-forward projections (PEFT), as they start.
+
+    The adapters start as a no-op (LoRA's B is zero); only they train. Their A comes from torch's generator: the
+    same seed gives the same adapters.
+    """
+    adapters = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.0,
+        target_modules=["c_attn", "c_fc"],
+        fan_in_fan_out=True,  # GPT-2's projections are Conv1D layers
+    )
+    with warnings.catch_warnings():  # peft 0.21 reads an attribute that transformers 5 deprecates
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return get_peft_model(model, adapters)
+
+
 class LMDistillation(pl.LightningModule):
     """Two students of the same initial weights on the same batches, one of them also learning from a frozen teacher.
 
@@ -119,6 +153,12 @@ class LMDistillation(pl.LightningModule):
         alpha: the weight of the teacher's term.
         lr: AdamW's peak learning rate of each student (one cycle over the run).
         generate: bytes each generated line adds to its prompt.
+        student_checkpoint: a checkpoint directory whose engine ``student_engine`` both students start from (for
+            example this run's own, to distill further); without one they start from the same random weights.
+        student_engine: that checkpoint's engine (``student`` in this run's checkpoints, ``model`` in the
+            teacher's).
+        lora_rank: with a rank above 0, both students train LoRA adapters on their attention and feed-forward
+            projections and their own weights stay as they started (meant with ``student_checkpoint``).
     """
 
     def __init__(
@@ -132,6 +172,9 @@ class LMDistillation(pl.LightningModule):
         alpha: float = 0.9,
         lr: float = 3e-3,
         generate: int = 48,
+        student_checkpoint: str | None = None,
+        student_engine: str = "student",
+        lora_rank: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -141,16 +184,25 @@ class LMDistillation(pl.LightningModule):
         self.alone = copy.deepcopy(self.student)  # the control: the same start, the same batches, no teacher
         self.perplexity = torch.nn.ModuleDict({name: Perplexity() for name in ("teacher", "student", "alone")})
         self.run_summary: dict[str, str] = {}
+        self.started = False
 
     def setup(self, stage: str) -> None:
-        """Load the teacher's trained weights, on every rank, before the strategy builds its engine."""
-        path = Path(self.hparams.teacher_checkpoint)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"The teacher checkpoint {str(path)!r} does not exist. Train the teacher first: "
-                "`lightning-multids fit --config configs/lm_distill_teacher.yaml` writes it."
-            )
-        self.teacher.load_state_dict(consolidated_state_dicts(path)["model"])
+        """Load the teacher's (and the students') weights on every rank, and add adapters, before the engines exist.
+
+        Once: a later ``validate`` of the same module keeps what ``fit`` trained (and the ZeRO-3 teacher stays
+        partitioned after ``fit``, so it cannot load whole weights again).
+        """
+        if self.started:
+            return
+        self.started = True
+        self.teacher.load_state_dict(checkpoint_weights(self.hparams.teacher_checkpoint, "model", TEACHER_FIRST))
+        if self.hparams.student_checkpoint is not None:
+            weights = checkpoint_weights(self.hparams.student_checkpoint, self.hparams.student_engine, STUDENT_FIRST)
+            self.student.load_state_dict(weights)
+            self.alone.load_state_dict(weights)
+        if self.hparams.lora_rank:
+            rank = self.hparams.lora_rank
+            self.student, self.alone = with_lora(self.student, rank), with_lora(self.alone, rank)
 
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> None:
         (tokens,) = batch
@@ -193,5 +245,6 @@ class LMDistillation(pl.LightningModule):
 
     def configure_optimizers(self) -> tuple[list[torch.optim.Optimizer], list[LRScheduler]]:
         steps = self.trainer.estimated_stepping_batches
-        pairs = [adamw(list(model.parameters()), self.hparams.lr, steps) for model in (self.student, self.alone)]
+        trainable = [[p for p in model.parameters() if p.requires_grad] for model in (self.student, self.alone)]
+        pairs = [adamw(parameters, self.hparams.lr, steps) for parameters in trainable]
         return [optimizer for optimizer, _ in pairs], [schedule for _, schedule in pairs]

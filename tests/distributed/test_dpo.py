@@ -83,7 +83,13 @@ def fit_each() -> dict[tuple[int, str], dict[str, Any]]:
     for stage in STAGES:
         for optimizer in OPTIMIZERS:
             module = SmallDPO(optimizer)
-            trainer = cpu_trainer(strategy(stage), max_steps=STEPS, limit_val_batches=0, use_distributed_sampler=False)
+            trainer = cpu_trainer(
+                strategy(stage),
+                max_steps=STEPS,
+                limit_val_batches=0,
+                use_distributed_sampler=False,
+                enable_checkpointing=False,
+            )
             trainer.fit(module)
             weights = trainer.strategy.consolidated_state_dict()
             results[(stage, optimizer)] = {
@@ -148,3 +154,26 @@ def test_dpo_trains_the_weights_plain_pytorch_trains(results: dict, stage: int, 
     start.setup("fit")
     frozen = {key: value for key, value in start.state_dict().items() if key.startswith("reference.")}
     assert all(torch.equal(ours["weights"][key], value) for key, value in frozen.items()), "the reference moved"
+
+
+def fit_then_validate(lora_rank: int) -> tuple[dict[str, float], dict[str, float]]:
+    """One process: the example's module fitted an epoch (the reference at ZeRO-3), then validated by its trainer."""
+    module = SmallDPO("sgd")
+    module.hparams.lora_rank = lora_rank
+    held_out = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*pairs()), batch_size=2 * PER_RANK)
+    module.val_dataloader = lambda: held_out  # type: ignore[method-assign]
+    module.validation_step = lambda batch, batch_idx: DPO.validation_step(module, batch, batch_idx)  # type: ignore[method-assign]
+    trainer = cpu_trainer(
+        strategy(2), max_epochs=1, num_sanity_val_steps=0, use_distributed_sampler=False, enable_checkpointing=False
+    )
+    trainer.fit(module)
+    after_fit = {key: value.item() for key, value in trainer.callback_metrics.items() if key.startswith("val/")}
+    (validated,) = trainer.validate(module, verbose=False)
+    return after_fit, validated
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_validate_after_fit_keeps_what_fit_trained(lora_rank: int) -> None:
+    """``setup`` runs once: a second one reloaded the starting weights, into a reference ZeRO-3 had partitioned."""
+    after_fit, validated = on_ranks(fit_then_validate, lora_rank, world_size=1, timeout=300)[0]
+    assert after_fit and validated == pytest.approx(after_fit)

@@ -150,6 +150,17 @@ def test_language_model_configs_chain_teacher_students_and_dpo(workdir: Path) ->
     assert re.search(r"^Held-out preference: +accuracy [\d.]+, reward margin -?[\d.]+$", output, re.M)
     tags = events(workdir / "outputs" / "lm" / "dpo" / "version_0").Tags()["scalars"]
     assert {"train/loss", "train/reward_margin", "train/accuracy", "val/accuracy"} <= set(tags), tags
+    # Distilling further with LoRA: both students start from the distilled one and train adapters only.
+    again = workdir / "again"
+    shutil.copytree(workdir / "configs", again / "configs")
+    shutil.copytree(workdir / "outputs" / "lm" / "teacher", again / "outputs" / "lm" / "teacher")
+    shutil.copytree(workdir / "outputs" / "lm" / "distilled" / "checkpoints" / "distilled.ckpt", again / "start.ckpt")
+    lora = ["--model.student_checkpoint=start.ckpt", "--model.lora_rank=4"]
+    output = lightning_multids(again, "fit", "--config", "configs/lm_distill.yaml", *SHORT, *lora)
+    assert re.search(r"^Held-out perplexity: +teacher [\d.]+, student [\d.]+, alone [\d.]+ \(per byte\)$", output, re.M)
+    ckpt = str(again / "outputs" / "lm" / "distilled" / "checkpoints" / "distilled.ckpt")
+    lightning_multids(again, "export", ckpt, str(again / "exported"), "--format", "hf")
+    assert (again / "exported" / "student" / "adapter_config.json").is_file()  # an adapter, not a whole model
 
 
 def test_ckpt_path_last_resumes_the_newest_run_of_the_logger(workdir: Path) -> None:
