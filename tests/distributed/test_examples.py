@@ -1,5 +1,8 @@
 """Every example config runs a few steps on 2 CPU processes through the real ``lightning-multids`` command.
 
+The examples' own runs are marked ``examples``: the oldest and newest lanes leave them out (the Makefile), and keep
+the GAN's, which check the command itself (resuming, errors).
+
 Each test copies ``configs/`` into a temporary directory and runs the console script there, as a user
 would from the repository root, so every output (logs, checkpoints) lands in the temporary directory.
 Lightning's own launcher starts the second process.
@@ -92,6 +95,7 @@ def test_gan_config_trains_and_logs_curves_kid_and_a_sample_grid(workdir: Path) 
     assert (log_dir / "config.yaml").is_file()  # LightningCLI saved the resolved config
 
 
+@pytest.mark.examples
 def test_distillation_configs_chain_teacher_student_and_test(workdir: Path) -> None:
     distill = workdir / "outputs" / "distill"
     lightning_multids(workdir, "fit", "--config", "configs/distill_teacher.yaml", *SHORT)
@@ -120,11 +124,13 @@ def test_distillation_before_its_teacher_says_to_train_the_teacher_first(workdir
     assert "Does not validate against any of the Union subtypes" not in output  # the parser's wrapping of it
 
 
+@pytest.mark.examples
 def test_student_alone_config_trains(workdir: Path) -> None:
     lightning_multids(workdir, "fit", "--config", "configs/distill_student.yaml", *SHORT)
     assert (workdir / "outputs" / "distill" / "student" / "checkpoints" / "student.ckpt" / "lightning.pt").is_file()
 
 
+@pytest.mark.examples
 def test_rlhf_config_trains_four_engines(workdir: Path) -> None:
     output = lightning_multids(workdir, "fit", "--config", "configs/rlhf.yaml", *SHORT)
     assert "Engines (ZeRO stage): {'actor': 3, 'critic': 1, 'reference': 3, 'reward': 3}" in output
@@ -132,6 +138,7 @@ def test_rlhf_config_trains_four_engines(workdir: Path) -> None:
     assert {"train/reward", "train/kl", "train/actor_loss", "train/critic_loss", "val/reward"} <= set(tags), tags
 
 
+@pytest.mark.examples
 def test_contrastive_config_trains_with_grad_cache(workdir: Path) -> None:
     output = lightning_multids(workdir, "fit", "--config", "configs/contrastive.yaml", *SHORT)
     assert "Engines (ZeRO stage): {'image_encoder': 2, 'profile_encoder': 3}" in output
@@ -139,6 +146,7 @@ def test_contrastive_config_trains_with_grad_cache(workdir: Path) -> None:
     assert {"train/loss", "val/recall@1"} <= set(tags), tags
 
 
+@pytest.mark.examples
 def test_language_model_configs_chain_teacher_students_and_dpo(workdir: Path) -> None:
     lightning_multids(workdir, "fit", "--config", "configs/lm_distill_teacher.yaml", *SHORT)
     output = lightning_multids(workdir, "fit", "--config", "configs/lm_distill.yaml", *SHORT)
