@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sysconfig
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +14,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from examples.dpo import dpo_loss, preference_pairs, response_log_probs  # noqa: E402
+from examples.lm_distill import STUDENT_FIRST, checkpoint_weights  # noqa: E402
 from examples.text import blocks, corpus, decode, encode  # noqa: E402
 
 
@@ -58,3 +61,18 @@ def test_dpo_starts_at_log_2_and_rewards_a_policy_that_prefers_the_chosen() -> N
     loss, margins = dpo_loss(policy, same, beta=0.5)
     assert margins.tolist() == [1.0, 1.0]
     assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-1.0))))
+
+
+def test_a_missing_checkpoint_says_which_run_writes_it(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"does not exist\. Distill the student first: .*configs/lm_distill"):
+        checkpoint_weights(str(tmp_path / "none.ckpt"), "student", STUDENT_FIRST)
+
+
+def test_a_standard_library_without_sources_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    corpus.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"too little text under .*run them with a Python that ships its \.py"):
+            corpus()
+    finally:
+        corpus.cache_clear()
