@@ -24,7 +24,6 @@ PINNED_LANE := 3.11 $(PINNED_TORCH)
 OLDEST_LANE := 3.11 2.11.0
 NEWEST_LANE := 3.13 2.15.0
 LANE_TESTS := tests
-LIBRARY_TESTS := tests -m 'not examples'
 LANE_WHEELHOUSE := $(HOME)/.cache/lightning-multids/wheels/$(if $(TORCH_INDEX),$(notdir $(TORCH_INDEX)),default)
 # A lane's interpreter: .ci/cpython.sh MINOR prints python$(MINOR) from PATH, or CPython built once from
 # Debian's source package and cached outside the checkout.
@@ -36,7 +35,7 @@ LANE_TARGETS ?= pytest
 # `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
 # `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
 unexport VENV PYTHON TORCH_SPEC WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
-.PHONY: install demo test test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-memory bench-frozen bench-gradcache bench-generation bench-gpu clean
+.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +62,10 @@ test: lint typecheck pytest
 pytest: $(STAMP)
 	EXPECTED_TORCH="$(TORCH_SPEC)" EXPECTED_PYTHON="$(EXPECTED_PYTHON)" $(PY) -m pytest $(PYTEST_ARGS)
 
+# The fast local loop: the unit tests and the first test of each 2-rank test file (TESTING.md).
+test-quick: $(STAMP)
+	$(PY) -m pytest tests/unit tests/distributed tests/fuzz/test_fuzz.py --one-per-file -m 'not examples'
+
 # The differential fuzzer over a range of seeds (tests/fuzz): each seed's case trained on 2 CPU ranks and in plain
 # PyTorch, classified, failures shrunk; the report in outputs/fuzz/. `make test` runs a fixed slice of it.
 FUZZ_SEEDS ?= 0:200
@@ -76,13 +79,11 @@ test-readme: $(STAMP)
 test-pinned:
 	$(MAKE) lane LANE="$(PINNED_LANE)" LANE_TARGETS="lint typecheck pytest"
 
-# The oldest and newest lanes leave out the examples' full command-line runs (pytest marker `examples`: the digits'
-# distillation, PPO, GradCache and the language models), which the pinned lane and the doc test run: CI's 90 minutes.
 test-oldest:
-	$(MAKE) lane LANE="$(OLDEST_LANE)" LANE_TESTS="$(LIBRARY_TESTS)"
+	$(MAKE) lane LANE="$(OLDEST_LANE)"
 
 test-newest:
-	$(MAKE) lane LANE="$(NEWEST_LANE)" LANE_TESTS="$(LIBRARY_TESTS)"
+	$(MAKE) lane LANE="$(NEWEST_LANE)"
 
 # `make lane LANE="3.13 2.15.0"`: LANE_TARGETS (default: the suite) in .venv-py3.13-torch2.15.0.
 lane:
@@ -149,6 +150,10 @@ bench-frozen: $(STAMP)
 # Generation by a ZeRO-3 actor: per-layer gathering, strategy.gathered(name), and the model whole (bench-gpu: on GPUs).
 bench-generation: $(STAMP)
 	for n in 1 2; do $(VENV)/bin/torchrun --nproc-per-node $$n benchmarks/generation.py --rounds 6 --tokens 32; done
+
+# The fixed cost of a 2-rank test launch: new interpreters against ranks forked from the harness's fork server.
+bench-launch: $(STAMP)
+	PYTHONPATH=. $(PY) benchmarks/launch.py --rounds 10
 
 bench-gradcache: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 2

@@ -3,6 +3,12 @@
 Each rank is its own process with ``LOCAL_RANK``/``NODE_RANK``/``WORLD_SIZE`` and a free loopback
 port, so Lightning does not re-launch anything; a rank that hangs or fails fails the test.
 
+The ranks are forked from a fork server that has imported torch, Lightning and DeepSpeed once
+(``tests/distributed/_preload.py``), so a launch does not pay those imports (about 7 s of one core per rank here).
+The server runs no test code: every launch's ranks start from the same state, and nothing one test's ranks do
+reaches another's. ``fresh=True`` (and a GPU rank, which must not inherit a process that looked for CUDA) starts
+each rank as a new interpreter instead, for what is read at process start (``MALLOC_*``) or at import.
+
 :func:`on_ranks` runs a function of the test module itself on every rank and returns each rank's result, so a
 test keeps its rank code beside its assertions; :func:`run_ranks` runs a script (the fuzzer's; on_ranks runs
 its own with it).
@@ -10,11 +16,14 @@ its own with it).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import runpy
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,17 +46,30 @@ def run_ranks(
     timeout: float = 300.0,
     env: dict[str, str | None] | None = None,
     nodes: int = 1,
+    fresh: bool = False,
 ) -> list[str]:
     """Run ``script args`` once per rank (with extra ``env``, where ``None`` unsets); return each rank's output.
 
     Fails with the ranks' output if one fails or ``timeout`` passes.
 
     With ``nodes=2`` each process is its own node (``NODE_RANK`` 0 and 1, ``LOCAL_RANK`` 0), as two
-    machines would be launched, over loopback.
+    machines would be launched, over loopback. ``fresh=True`` starts each rank as a new interpreter rather than
+    forking it from the fork server (see the module's text).
     """
+    environments = rank_environments(world_size, env or {}, nodes)
+    if fresh or FRESH_VARIABLE in os.environ or environments[0].get("TEST_ACCELERATOR", "cpu") != "cpu":
+        return _run_fresh(script, args, environments, timeout)
+    return _run_forked(script, args, environments, timeout)
+
+
+FRESH_VARIABLE = "TEST_FRESH_RANKS"
+"""Set (to anything) in the caller's environment, every launch starts new interpreters: to tell the two apart."""
+
+
+def rank_environments(world_size: int, extra_env: dict[str, str | None], nodes: int) -> list[dict[str, str]]:
+    """Each rank's whole environment: the caller's, the launch's variables, then ``extra_env`` (``None`` unsets)."""
     port = str(free_port())
-    extra_env = env or {}
-    procs, logs = [], []
+    environments = []
     for rank in range(world_size):
         env = dict(os.environ)
         env.update(
@@ -64,6 +86,14 @@ def run_ranks(
         env.update({key: value for key, value in extra_env.items() if value is not None})
         for key in [key for key, value in extra_env.items() if value is None]:
             env.pop(key, None)
+        environments.append(env)
+    return environments
+
+
+def _run_fresh(script: Path, args: tuple[str, ...], environments: list[dict[str, str]], timeout: float) -> list[str]:
+    """Each rank a new interpreter running ``script``."""
+    procs, logs = [], []
+    for env in environments:
         log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block the rank writing to it  # noqa: SIM115 (closed after the ranks exit)
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log, stderr=log, cwd=REPO))
@@ -73,16 +103,109 @@ def run_ranks(
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-        raise AssertionError(f"{script.name} {' '.join(args)}: a rank did not finish within {timeout} s") from None
+        raise _timed_out(script, args, timeout) from None
     outputs = []
     for log in logs:
         log.seek(0)
         outputs.append(log.read())
         log.close()
-    for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-        if proc.returncode != 0:
-            raise AssertionError(f"rank {rank} of {script.name} exited with {proc.returncode}:\n{out[-6000:]}")
+    return _checked(script, [proc.returncode for proc in procs], outputs)
+
+
+def _run_forked(script: Path, args: tuple[str, ...], environments: list[dict[str, str]], timeout: float) -> list[str]:
+    """Each rank forked from the fork server, running ``script`` as its ``__main__``."""
+    context = _fork_server()
+    with tempfile.TemporaryDirectory(prefix="ranks-") as folder:
+        logs = [Path(folder, f"rank{rank}.log") for rank in range(len(environments))]
+        procs = []
+        for env, log in zip(environments, logs, strict=True):
+            log.touch()
+            procs.append(context.Process(target=_rank, args=(str(script), args, env, str(log))))
+            procs[-1].start()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        if any(proc.exitcode is None for proc in procs):
+            for proc in procs:
+                proc.kill()
+                proc.join()
+            raise _timed_out(script, args, timeout)
+        return _checked(script, [proc.exitcode for proc in procs], [log.read_text() for log in logs])
+
+
+def _timed_out(script: Path, args: tuple[str, ...], timeout: float) -> AssertionError:
+    return AssertionError(f"{script.name} {' '.join(args)}: a rank did not finish within {timeout} s")
+
+
+def _checked(script: Path, codes: list[int | None], outputs: list[str]) -> list[str]:
+    """``outputs``, once every rank exited with 0; else the first failed rank's output in an AssertionError."""
+    for rank, (code, out) in enumerate(zip(codes, outputs, strict=True)):
+        if code != 0:
+            raise AssertionError(f"rank {rank} of {script.name} exited with {code}:\n{out[-6000:]}")
     return outputs
+
+
+_CONTEXT: list[multiprocessing.context.ForkServerContext] = []
+
+
+def _fork_server() -> multiprocessing.context.ForkServerContext:
+    """The fork server's context, the server started on first use (``multiprocessing`` restarts one that died).
+
+    It starts with the ranks' common settings in its environment (one OpenMP thread, the repository on the path),
+    which its preloaded torch reads at import, as a new rank's interpreter would.
+    """
+    if not _CONTEXT:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["tests.distributed._preload"])
+        _CONTEXT.append(context)
+    saved = dict(os.environ)
+    os.environ.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    try:
+        _ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return _CONTEXT[0]
+
+
+def _ensure_running() -> None:
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+def _rank(script: str, args: tuple[str, ...], env: dict[str, str], log: str) -> None:
+    """One forked rank: its output to ``log``, its environment, then ``script`` as ``__main__``."""
+    descriptor = os.open(log, os.O_WRONLY | os.O_APPEND)
+    for stream in (1, 2):
+        os.dup2(descriptor, stream)
+    os.close(descriptor)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(REPO)
+    sys.argv = [script, *args]
+    sys.path[:0] = [str(Path(script).parent), str(REPO)]
+    _as_if_started_anew(env)
+    runpy.run_path(script, run_name="__main__")
+
+
+def _as_if_started_anew(env: dict[str, str]) -> None:
+    """What a new interpreter would have that the forked rank inherited otherwise: threads, random states, the rank.
+
+    Python's ``random``, NumPy's and torch's global generators were seeded once in the server, so every fork would
+    draw the same numbers: they draw fresh seeds, as a new interpreter does. Lightning read the rank for ``rank_zero_only`` at its import, in the server: it reads this rank's.
+    """
+    import random
+
+    import numpy
+    from lightning.fabric.utilities import rank_zero
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    random.seed()
+    numpy.random.seed()
+    torch.seed()
+    keys = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")  # Lightning's, in its order
+    rank_zero.rank_zero_only.rank = next((int(env[key]) for key in keys if key in env), 0)
 
 
 def on_ranks(
@@ -92,6 +215,7 @@ def on_ranks(
     timeout: float = 300.0,
     env: dict[str, str | None] | None = None,
     nodes: int = 1,
+    fresh: bool = False,
 ) -> list[Any]:
     """Call ``function(*args)`` on every rank, each in a process of its own; return the results in rank order.
 
@@ -100,7 +224,9 @@ def on_ranks(
     """
     with tempfile.TemporaryDirectory() as folder:
         command = _command(Path(folder), function, args, caller="on_ranks")
-        run_ranks(Path(command[0]), *command[1:], world_size=world_size, timeout=timeout, env=env, nodes=nodes)
+        run_ranks(
+            Path(command[0]), *command[1:], world_size=world_size, timeout=timeout, env=env, nodes=nodes, fresh=fresh
+        )
         return [torch.load(f"{command[-1]}.{rank}", weights_only=False) for rank in range(world_size)]
 
 
