@@ -7,6 +7,7 @@ Settings that cannot work are refused here, and user hooks that would misread Ze
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_multids._compat.lightning import call_configure_optimizers, optimizers_and_schedulers, scheduler_configs
+from lightning_multids._compat.torch import is_compiled
 from lightning_multids._config import frozen_config, zero_stage
 from lightning_multids._discovery import match_optimizers
 from lightning_multids._optimizer import EngineScheduler
@@ -53,6 +55,7 @@ def plan_engines(
     for name, index in matched.items():
         _check_one_optimizer(name, configs[name])
         _check_offloaded_optimizer(name, configs[name], optimizers[index])
+        _check_steps_without_closure(name, optimizers[index])
     frozen = {
         name: frozen_config(name, configs[name], overrides[name])
         for name in overrides
@@ -60,6 +63,8 @@ def plan_engines(
     }
     for name in frozen:
         _check_has_parameters(name, getattr(module, name))
+    for name in [*matched, *from_config, *frozen]:
+        _check_not_compiled_at_zero3(name, getattr(module, name), configs[name])
     check_disjoint(module, [*matched, *from_config, *frozen], configs)
     manual = not module.automatic_optimization
     return Plan(optimizers, scheduler_configs, matched, from_config, frozen, manual, switched=automatic and manual)
@@ -108,6 +113,29 @@ def _refuse_accumulation_in_manual(trainer: pl.Trainer, module: pl.LightningModu
             f"{total} trainable engines, so it runs manual optimization, where Lightning does not accumulate "
             "gradients. Remove the setting and accumulate in `training_step` (call `self.manual_backward(loss / N)` "
             "for N batches, then `opt.step()` and `opt.zero_grad()`), or train one engine."
+        )
+
+
+def _check_steps_without_closure(name: str, optimizer: Optimizer) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure (``LBFGS``): DeepSpeed's engine steps it without one."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"The optimizer of engine {name!r} (`{type(optimizer).__module__}.{type(optimizer).__qualname__}`) needs a "
+            "closure at every step (`opt.step(closure)`, which it calls again within the step); DeepSpeed's engine "
+            f"steps its optimizer once, without a closure. Give {name!r} an optimizer that steps without one "
+            "(`torch.optim.SGD`, `Adam`, `AdamW`, ...)."
+        )
+
+
+def _check_not_compiled_at_zero3(name: str, submodule: nn.Module, config: Mapping[str, Any]) -> None:
+    """Refuse a ``torch.compile``d submodule at ZeRO-3: DeepSpeed's ZeRO-3 engine fails inside on one."""
+    if zero_stage(config) == 3 and is_compiled(submodule):
+        raise ValueError(
+            f"The submodule {name!r} is a `torch.compile`d module and its engine runs ZeRO-3, which DeepSpeed does not "
+            f"run on a compiled module (it fails inside DeepSpeed). Give {name!r} ZeRO-0/1/2, e.g. "
+            f"`engine_configs={{{name!r}: {{'zero_optimization': {{'stage': 2}}}}}}`, or assign the module "
+            "uncompiled."
         )
 
 

@@ -86,3 +86,8 @@ def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     its elements do.
     """
     return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns (a wrapper around the original module)."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)

@@ -39,10 +39,20 @@ class GAN(pl.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.1)
         if self.which == "generator":
             return g
+        if self.which == "lbfgs":
+            return [torch.optim.LBFGS(self.generator.parameters()), d]
         return [g, d]
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(patterns.make_batches(2), batch_size=4)
+
+
+class Compiled(GAN):
+    """The generator assigned as ``torch.compile`` returns it (compiled lazily, at its first call)."""
+
+    def __init__(self, optimizers: str = "both") -> None:
+        super().__init__(returns_loss, optimizers)
+        self.generator = torch.compile(self.generator)  # type: ignore[assignment]
 
 
 def gathers_by_rank(module: GAN, batch: torch.Tensor) -> None:
@@ -258,6 +268,9 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         {"engine_configs": {"discriminator": {"gradient_clipping": 1.0}}},
     ),
     "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
+    "closure_optimizer": (lambda: GAN(optimizers="lbfgs"), {}),
+    "compiled_zero3": (Compiled, {"stage": 3}),
+    "compiled_frozen_zero3": (lambda: Compiled("discriminator"), {"stage": 3, "engine_configs": {"generator": {}}}),
     "returned_loss_in_user_manual": (lambda: UserManual(skips_odd_batches), {}),
     "accumulate_when_switched": (lambda: GAN(returns_loss), {}),
     "detached_loss": (lambda: GAN(detached_loss), {}),
@@ -370,6 +383,13 @@ EXPECTED = {
     "clip_on_frozen": r"engine 'discriminator' has no optimizer.*`gradient_clipping` setting would do nothing",
     "returned_loss_in_manual": r"returned a loss but called no `self.manual_backward`.*'generator', 'discriminator'",
     "detached_loss": r"reaches no trainable engine",
+    "closure_optimizer": r"optimizer of engine 'generator' \(`torch.optim.lbfgs.LBFGS`\) needs a closure.*"
+    r"Give 'generator' an optimizer that steps without one",
+    **{
+        f"compiled_{kind}zero3": r"submodule 'generator' is a `torch.compile`d module and its engine runs ZeRO-3.*"
+        r"Give 'generator' ZeRO-0/1/2"
+        for kind in ("", "frozen_")
+    },
     "returned_loss_in_user_manual": r"^no error$",  # Lightning allows it: the returned loss is detached
     "accumulate_when_switched": r"accumulate_grad_batches=2\)`: `GAN` has 2 trainable engines.*manual_backward\(loss",
     "scheduler_stepped_by_user": r"scheduler of engine 'discriminator' is stepped by its optimizer",
