@@ -40,7 +40,7 @@ from lightning_multids._compat.lightning import (
     stored_precision_plugin,
     trainer_of,
 )
-from lightning_multids._config import load_config, validate_stage, zero3_init_config
+from lightning_multids._config import load_config, merge, validate_stage, zero3_init_config, zero_stage
 from lightning_multids._discovery import check_engine_names
 from lightning_multids._ema import EmaArgument, average_entries, check_average_names, parse_averages
 from lightning_multids._engines import EngineSet
@@ -140,6 +140,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self.engine_configs = {
             name: load_config(source, what=f"the engine {name!r}") for name, source in per_engine.items()
         }
+        _refuse_zero3_launched_in_process(start_method, self.stage, self.config, self.engine_configs)
         self.save_frozen = save_frozen
         self.gathered_timeout = gathered_timeout
         self._arrival: Arrival | None = None
@@ -691,4 +692,29 @@ def _refuse_checkpoint_io(checkpoint_io: CheckpointIO | None) -> None:
             f"MultiDeepSpeedStrategy got `checkpoint_io={type(checkpoint_io).__name__}(...)`, which it cannot use: "
             "each DeepSpeed engine writes its own part of a checkpoint directory. Remove the `checkpoint_io` argument "
             "or the CheckpointIO from `Trainer(plugins=...)`."
+        )
+
+
+def _refuse_zero3_launched_in_process(
+    start_method: str, stage: int, config: Mapping[str, Any], engine_configs: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """Refuse ``start_method`` spawn, fork or forkserver where an engine may run ZeRO-3.
+
+    Lightning's in-process launchers send the trained weights back to the main process from rank 0's module, which
+    at ZeRO-3 holds only its partition of each weight: the fit would end with its weights lost. The default stage
+    counts (a submodule without an ``engine_configs`` entry gets it), as does each entry's.
+    """
+    if start_method == "popen":
+        return
+    default = merge({"zero_optimization": {"stage": stage}}, config)
+    zero3 = [name for name, override in engine_configs.items() if zero_stage(merge(default, override)) == 3]
+    if zero_stage(default) == 3:
+        zero3.insert(0, "every engine without an `engine_configs` entry")
+    if zero3:
+        raise ValueError(
+            f"MultiDeepSpeedStrategy(start_method={start_method!r}) with ZeRO-3 ({', '.join(zero3)}): Lightning's "
+            f"{start_method} launcher returns the trained weights to the main process from rank 0's module, which at "
+            "ZeRO-3 holds only its partition of each weight, so the weights would be lost when the fit ends. Keep "
+            "`start_method='popen'` (the default: Lightning runs the script once per rank) or launch with torchrun, "
+            "or give every engine ZeRO-0/1/2."
         )

@@ -109,3 +109,25 @@ def test_nothing_is_warned_about_for_lightning_own_hooks() -> None:
 def test_bad_engine_configs_are_a_value_error_at_construction(engine_configs: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MultiDeepSpeedStrategy(engine_configs=engine_configs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork", "forkserver"])
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"stage": 3}, "every engine without an `engine_configs` entry"),
+        ({"config": {"zero_optimization": {"stage": 3}}}, "every engine without an `engine_configs` entry"),
+        ({"engine_configs": {"teacher": {"zero_optimization": {"stage": 3}}}}, "teacher"),
+    ],
+)
+def test_zero3_launched_in_process_is_refused_at_construction(start_method: str, kwargs: dict, named: str) -> None:
+    """Lightning's spawn and fork launchers return rank 0's weights, which ZeRO-3 partitions: they would be lost."""
+    with pytest.raises(ValueError, match=rf"start_method='{start_method}'\) with ZeRO-3 \({named}.*'popen'"):
+        MultiDeepSpeedStrategy(start_method=start_method, **kwargs)
+
+
+def test_in_process_launch_without_zero3_and_zero3_launched_per_rank_are_accepted() -> None:
+    MultiDeepSpeedStrategy(
+        stage=2, start_method="spawn", engine_configs={"teacher": {"zero_optimization": {"stage": 1}}}
+    )
+    MultiDeepSpeedStrategy(stage=3, engine_configs={"teacher": {"zero_optimization": {"stage": 3}}})
