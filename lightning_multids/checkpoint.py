@@ -48,6 +48,7 @@ from lightning_multids import _loading as loading
 from lightning_multids._blocks import whole
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.deepspeed import stage0_weights
+from lightning_multids._precision import engine_dtype
 
 __all__ = ["consolidated_state_dicts", "export"]
 
@@ -106,7 +107,10 @@ def save(
         kept["state_dict"] = plain_state
         kept[FORMAT_KEY] = {
             "engines": {
-                **{name: {"stage": e.zero_optimization_stage()} for name, e in engines.items()},
+                **{
+                    name: {"stage": e.zero_optimization_stage(), "precision": _precision_name(e)}
+                    for name, e in engines.items()
+                },
                 **{name: {"stage": None} for name in weights},
             },
             "frozen": sorted(frozen),
@@ -177,6 +181,36 @@ def check_engines(saved: Mapping[str, Any], engines: Mapping[str, DeepSpeedEngin
         raise ValueError(
             f"The checkpoint {str(path)!r} holds the engines {found}, but this module trains {expected}. Resume "
             "with the LightningModule and `engine_configs` it was saved with, or load only the weights with `export`."
+        )
+
+
+TRAINER_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
+"""The Trainer's precision flag for each precision an engine records in a checkpoint."""
+
+
+def _precision_name(engine: DeepSpeedEngine) -> str:
+    """``"bf16"``, ``"fp16"`` or ``"fp32"``: the precision ``engine`` trains in (:data:`TRAINER_PRECISION`)."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(engine_dtype(engine), "fp32")
+
+
+def check_precisions(saved: Mapping[str, Any], engines: Mapping[str, DeepSpeedEngine], path: Path) -> None:
+    """Raise a ValueError, before any engine loads, if an engine trains in another precision than it was saved in.
+
+    DeepSpeed keeps a bf16 or fp16 engine's optimizer state beside fp32 copies of its weights, in files and keys of
+    their own, and an fp32 engine's without them: loading one into the other fails inside DeepSpeed (0.19.8: a
+    missing file at ZeRO-1/2, ``KeyError: 'param_groups'`` at ZeRO-0). Checkpoints written before the precision
+    was recorded are not checked.
+    """
+    for name, engine in engines.items():
+        was, now = saved["engines"][name].get("precision"), _precision_name(engine)
+        if was is None or was == now:
+            continue
+        raise ValueError(
+            f"The checkpoint {str(path)!r} saved the engine {name!r} in {was}, and it trains in {now} now: DeepSpeed "
+            f"cannot load an optimizer state saved in one precision into another. Resume it in {was} "
+            f"(`Trainer(precision={TRAINER_PRECISION[was]!r})`, or the `bf16`/`fp16` section of its `engine_configs` "
+            "entry), or start a new fit from its weights alone: `lightning-multids export` them and load them into "
+            "the submodule."
         )
 
 

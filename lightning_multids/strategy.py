@@ -580,6 +580,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         checkpoints.check_engines({"engines": check_names}, trainable, path)
         engines = {n: e for n, e in self._engine_set.engines.items() if n in saved["engines"]}
         checkpoints.check_stages(saved, engines, path)
+        checkpoints.check_precisions(saved, engines, path)
         checkpoints.load_engines(
             path,
             engines,

@@ -193,7 +193,8 @@ def _as_if_started_anew(env: dict[str, str]) -> None:
     """What a new interpreter would have that the forked rank inherited otherwise: threads, random states, the rank.
 
     Python's ``random``, NumPy's and torch's global generators were seeded once in the server, so every fork would
-    draw the same numbers: they draw fresh seeds, as a new interpreter does. Lightning read the rank for ``rank_zero_only`` at its import, in the server: it reads this rank's.
+    draw the same numbers: they draw fresh seeds, as a new interpreter does. Lightning read the rank for
+    ``rank_zero_only`` at its import, in the server: it reads this rank's.
     """
     import random
 

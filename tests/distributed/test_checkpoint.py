@@ -105,6 +105,25 @@ def test_resume_at_another_stage_is_refused_before_any_engine_loads(tmp_path: Pa
     assert "MultiDeepSpeedStrategy: ValueError: The checkpoint" in message  # the strategy's, not DeepSpeed's
 
 
+@pytest.mark.parametrize(
+    ("stage", "saved_bf16"), [(0, True), (2, False), (3, True)], ids=["0-bf16", "2-fp32", "3-bf16"]
+)
+def test_resume_in_another_precision_is_refused_before_any_engine_loads(
+    tmp_path: Path, stage: int, saved_bf16: bool
+) -> None:
+    """Saved in bf16 and resumed in fp32, or the other way: DeepSpeed failed inside its load (``KeyError:
+    'param_groups'`` at ZeRO-0, a missing optimizer file at ZeRO-2)."""
+    options = ResumeOptions(bf16=saved_bf16, resume_bf16=not saved_bf16, straight=False)
+    with pytest.raises(AssertionError, match="exited with") as failed:
+        on_ranks(resume_runs, tmp_path, "gan", [stage], options)
+    message = str(failed.value)
+    saved, now = ("bf16", "fp32") if saved_bf16 else ("fp32", "bf16")
+    trainer = "bf16-mixed" if saved_bf16 else "32-true"
+    expected = rf"saved the engine '(generator|discriminator)' in {saved}, and it trains in {now} now.*Resume it in "
+    assert re.search(expected + rf"{saved} \(`Trainer\(precision='{trainer}'\)`", message), message[-3000:]
+    assert "MultiDeepSpeedStrategy: ValueError: The checkpoint" in message  # the strategy's, not DeepSpeed's
+
+
 def assert_resumed_exactly(results: dict, where: str) -> None:
     """Each stage's resumed run (1 epoch, save, resume, 1 more) equals the straight run to the bit."""
     for stage, result in results.items():
@@ -243,6 +262,7 @@ class ResumeOptions:
     inside_gathered: bool = False  # with after_fit: saves at on_train_end inside gathered of every engine
     after_fit: bool = False  # saves the first epoch with trainer.save_checkpoint after fit returns
     resume_stage: int | None = None  # resumes at this ZeRO stage, not the stage saved
+    resume_bf16: bool | None = None  # resumes in bf16-mixed (True) or fp32 (False), not the precision saved
     straight: bool = True  # False: no straight run
 
 
@@ -267,7 +287,7 @@ def resume_runs(root: Path, case: str, stages: list[int], options: ResumeOptions
             2,
             folder / "second",
             ckpt_path=str(folder / "first" / saved),
-            **flags,
+            **{**flags, "bf16": options.bf16 if options.resume_bf16 is None else options.resume_bf16},
         )
         results[stage] = {"straight": plain, "resumed": resumed}
     return results
