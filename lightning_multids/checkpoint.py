@@ -235,16 +235,24 @@ def check_stages(saved: Mapping[str, Any], engines: Mapping[str, DeepSpeedEngine
 def save_weights(module: nn.Module, directory: Path, *, is_global_zero: bool) -> None:
     """Write ``module``'s whole ``state_dict`` to ``directory/weights.pt`` on rank 0; a collective call.
 
-    ZeRO-3 parameters are gathered one at a time, so no rank holds more than one of them whole.
+    ZeRO-3 parameters are gathered one at a time, so no rank holds more than one of them whole. A trained
+    parameter whose engine keeps an fp32 master copy beside 16-bit weights (bf16, fp16) is saved from that copy,
+    as DeepSpeed's own checkpoint and :func:`export` give it.
     """
     state = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        with whole([value]):
+        master = deepspeed.utils.safe_get_full_fp32_param(value) if _has_master(value) else None
+        with contextlib.nullcontext() if master is not None else whole([value]):
             if is_global_zero:
-                state[key] = value.detach().cpu().clone()
+                state[key] = (value if master is None else master).detach().cpu().clone()
     if is_global_zero:
         directory.mkdir(parents=True, exist_ok=True)
         torch.save(state, directory / WEIGHTS_FILE)
+
+
+def _has_master(value: torch.Tensor) -> bool:
+    """Whether ``value`` is a trained parameter with an fp32 master copy in its engine's optimizer."""
+    return isinstance(value, nn.Parameter) and value.requires_grad and value.dtype != torch.float32
 
 
 def load_engines(

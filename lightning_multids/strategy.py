@@ -520,11 +520,14 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         engines, frozen = engine_set.engines, engine_set.frozen_names()
         saved = engine_set.saved_names(self.save_frozen)
         averager = engine_set.averager
+        # Lightning dumps no optimizer states for `save_weights_only=True` / `weights_only=True`: every engine's
+        # weights alone, as DDP writes the module's state dict alone.
+        as_weights = set(saved) if "optimizer_states" not in checkpoint else frozen
         checkpoints.save(
             checkpoint,
             self.broadcast(str(filepath)),
-            engines={n: engines[n] for n in saved if n not in frozen},
-            weights={n: engines[n].module for n in saved if n in frozen},
+            engines={n: engines[n] for n in saved if n not in as_weights},
+            weights={n: engines[n].module for n in saved if n in as_weights},
             frozen=frozen,
             averages=averager.state() if averager is not None else {},
             plain_state=checkpoints.plain_state_dict(self.lightning_module, set(engines)),

@@ -124,6 +124,57 @@ def test_resume_in_another_precision_is_refused_before_any_engine_loads(
     assert "MultiDeepSpeedStrategy: ValueError: The checkpoint" in message  # the strategy's, not DeepSpeed's
 
 
+@pytest.mark.parametrize(("stage", "bf16"), [(3, False), (2, True)], ids=["3", "2-bf16"])
+def test_save_weights_only_writes_the_weights_and_no_optimizer_state(tmp_path: Path, stage: int, bf16: bool) -> None:
+    """``ModelCheckpoint(save_weights_only=True)``: each engine's weights (the fp32 master copy where the engine keeps
+    one, as DDP's fp32 module), no optimizer state; resuming from it is refused as Lightning refuses it under DDP."""
+    from lightning_multids import consolidated_state_dicts
+
+    expected = on_ranks(fit_weights_only, tmp_path, stage, bf16)[0]
+    checkpoint = tmp_path / "last.ckpt"
+    files = sorted(str(path.relative_to(checkpoint)) for path in checkpoint.rglob("*") if path.is_file())
+    assert not [file for file in files if "optim" in file], files
+    saved = consolidated_state_dicts(checkpoint)
+    assert sorted(saved) == ["discriminator", "generator", "plain"]
+    for name in ("generator", "discriminator"):
+        assert saved[name].keys() == expected[name].keys()
+        for key, value in expected[name].items():
+            assert saved[name][key].dtype == torch.float32 and torch.equal(saved[name][key], value), f"{name}.{key}"
+    with pytest.raises(AssertionError, match="checkpoint contains only the model"):
+        on_ranks(resume_gan, tmp_path / "resumed", stage, str(checkpoint), bf16)
+
+
+def resume_gan(root: Path, stage: int, ckpt_path: str, bf16: bool) -> dict:
+    return fit_resumable("gan", stage, 2, root, ckpt_path, bf16=bf16)
+
+
+def fit_weights_only(root: Path, stage: int, bf16: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """One epoch of the GAN with ``ModelCheckpoint(save_weights_only=True)``; each engine's fp32 weights at its end
+    (in bf16, the engines' master copies)."""
+
+    def weights(strategy: MultiDeepSpeedStrategy) -> dict[str, dict[str, torch.Tensor]]:
+        if bf16:
+            return {
+                name: {key: safe_get_full_fp32_param(p).clone() for key, p in engine.module.named_parameters()}
+                for name, engine in strategy.engines.items()
+            }
+        whole = strategy.consolidated_state_dict()
+        return {
+            name: {key.removeprefix(f"{name}."): value for key, value in whole.items() if key.startswith(f"{name}.")}
+            for name in strategy.engines
+        }
+
+    at_end = AtFitEnd(weights)
+    trainer = cpu_trainer(
+        MultiDeepSpeedStrategy(stage=stage),
+        precision="bf16-mixed" if bf16 else "32-true",
+        use_distributed_sampler=False,
+        callbacks=[ModelCheckpoint(dirpath=root, save_last=True, save_weights_only=True), at_end],
+    )
+    trainer.fit(Resumable("gan"))
+    return at_end.value
+
+
 def assert_resumed_exactly(results: dict, where: str) -> None:
     """Each stage's resumed run (1 epoch, save, resume, 1 more) equals the straight run to the bit."""
     for stage, result in results.items():
