@@ -123,6 +123,17 @@ class EngineOptimizer(Optimizer):
         """The engine optimizer's parameter groups, holding the module's parameters."""
         return [_GroupView(g, p) for g, p in zip(self.optimizer.param_groups, self._params, strict=True)]
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: an engine's parameters are fixed when it is built, so a group added later would never train."""
+        raise ValueError(
+            f"`add_param_group(...)` on the optimizer of engine {self.name!r}: a DeepSpeed engine's parameters are "
+            "fixed when it is built (its ZeRO partitions and fp32 copies are made then), so a group added now would "
+            "never train (Lightning's `BackboneFinetuning` and `BaseFinetuning.unfreeze_and_add_param_group` add "
+            "one). Give the layers to unfreeze later their optimizer in `configure_optimizers` from the start (a group "
+            "of their engine's optimizer, or an optimizer of their own submodule) with `lr` 0 and `requires_grad=True`, "
+            "and set that group's `lr` when unfreezing (`opt.param_groups[i]['lr'] = ...`)."
+        )
+
     @property
     def state(self) -> Any:  # type: ignore[override]
         """The optimizer state as DeepSpeed keeps it (per partition under ZeRO)."""

@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import BackboneFinetuning
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
@@ -39,6 +40,8 @@ class GAN(pl.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.1)
         if self.which == "generator":
             return g
+        if self.which == "discriminator":
+            return d
         if self.which == "lbfgs":
             return [torch.optim.LBFGS(self.generator.parameters()), d]
         return [g, d]
@@ -221,6 +224,14 @@ class WithHead(GAN):
         self.head = torch.nn.Tanh()
 
 
+class WithBackbone(GAN):
+    """The generator as a ``backbone`` for Lightning's ``BackboneFinetuning``; the discriminator, the trained head."""
+
+    def __init__(self) -> None:
+        super().__init__(returns_loss, "discriminator")
+        self.backbone = self.generator
+
+
 class WithProbe(GAN):
     """The GAN with a submodule that reuses the discriminator's first layer."""
 
@@ -269,6 +280,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     ),
     "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
     "closure_optimizer": (lambda: GAN(optimizers="lbfgs"), {}),
+    "backbone_finetuning": (WithBackbone, {}),
     "compiled_zero3": (Compiled, {"stage": 3}),
     "compiled_frozen_zero3": (lambda: Compiled("discriminator"), {"stage": 3, "engine_configs": {"generator": {}}}),
     "returned_loss_in_user_manual": (lambda: UserManual(skips_odd_batches), {}),
@@ -313,6 +325,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
 TRAINER_KWARGS: dict[str, dict] = {
     "accumulate_when_switched": {"accumulate_grad_batches": 2},
     "optimizer_state_dict_zero0_bf16": {"precision": "bf16-mixed"},
+    "backbone_finetuning": {"callbacks": [BackboneFinetuning(unfreeze_backbone_at_epoch=1)], "max_epochs": 2},
 }
 
 
@@ -383,6 +396,8 @@ EXPECTED = {
     "clip_on_frozen": r"engine 'discriminator' has no optimizer.*`gradient_clipping` setting would do nothing",
     "returned_loss_in_manual": r"returned a loss but called no `self.manual_backward`.*'generator', 'discriminator'",
     "detached_loss": r"reaches no trainable engine",
+    "backbone_finetuning": r"`add_param_group\(...\)` on the optimizer of engine 'discriminator'.*BackboneFinetuning.*"
+    r"Give the layers to unfreeze later their optimizer in `configure_optimizers` from the start",
     "closure_optimizer": r"optimizer of engine 'generator' \(`torch.optim.lbfgs.LBFGS`\) needs a closure.*"
     r"Give 'generator' an optimizer that steps without one",
     **{
