@@ -129,9 +129,9 @@ class EngineOptimizer(Optimizer):
             f"`add_param_group(...)` on the optimizer of engine {self.name!r}: a DeepSpeed engine's parameters are "
             "fixed when it is built (its ZeRO partitions and fp32 copies are made then), so a group added now would "
             "never train (Lightning's `BackboneFinetuning` and `BaseFinetuning.unfreeze_and_add_param_group` add "
-            "one). Give the layers to unfreeze later their optimizer in `configure_optimizers` from the start (a group "
-            "of their engine's optimizer, or an optimizer of their own submodule) with `lr` 0 and `requires_grad=True`, "
-            "and set that group's `lr` when unfreezing (`opt.param_groups[i]['lr'] = ...`)."
+            "one). Give the layers to unfreeze later their optimizer in `configure_optimizers` from the start (a "
+            "group of their engine's optimizer, or an optimizer of their own submodule) with `lr` 0 and "
+            "`requires_grad=True`, and set that group's `lr` when unfreezing (`opt.param_groups[i]['lr'] = ...`)."
         )
 
     @property
