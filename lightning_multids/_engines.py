@@ -44,6 +44,9 @@ class EngineRecord:
     blocks: list[str] = field(default_factory=list)
     """The blocks it is inside now, outermost first (:mod:`lightning_multids._blocks`); its optimizer reads the same
     list to refuse a step inside one."""
+    untrained: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)
+    """A trainable ZeRO-1/2/3 engine's parameters that had ``requires_grad=False`` when it was built (by name): its
+    optimizer holds no partition or fp32 copy of them, so they can never train."""
 
 
 @dataclass
@@ -89,6 +92,8 @@ class EngineSet:
         self.add(name, engine, handles)
         record = self.records[name]
         record.optimizer = EngineOptimizer(name, engine, optimizer, params, blocks=record.blocks)
+        if engine.zero_optimization_stage():
+            record.untrained = [(key, p) for key, p in engine.module.named_parameters() if not p.requires_grad]
         self.owners.update({id(p): name for p in engine.module.parameters()})
 
     def clip_by_default(
@@ -160,6 +165,7 @@ class EngineSet:
         :func:`~lightning_multids._routing.agree`). An exception in the backward leaves the engines it reached
         clean, without their gradients of this step.
         """
+        self._refuse_unfrozen()
         if loss.grad_fn is None:
             if not _several_ranks():
                 self._refuse_untrained()
@@ -212,6 +218,20 @@ class EngineSet:
         for optimizer in self.optimizers:
             if optimizer.name in names:
                 optimizer.has_gradients = present
+
+    def _refuse_unfrozen(self) -> None:
+        """Refuse a backward once a parameter frozen when its ZeRO-1/2/3 engine was built requires a gradient."""
+        for record in self.records.values():
+            for key, param in record.untrained:
+                if param.requires_grad:
+                    stage = record.engine.zero_optimization_stage()
+                    raise ValueError(
+                        f"The parameter {key!r} of engine {record.name!r} had `requires_grad=False` when the engine "
+                        f"was built and requires a gradient now: ZeRO-{stage} made its partitions and fp32 copies "
+                        "of the parameters that trained then, so this one would never train. Keep it "
+                        "`requires_grad=True` from the start, in a parameter group with `lr` 0 until it is to "
+                        f"train (then set the group's `lr`), or give {record.name!r} ZeRO-0."
+                    )
 
     def _refuse_untrained(self) -> None:
         trainable = ", ".join(repr(o.name) for o in self.optimizers)

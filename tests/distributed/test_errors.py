@@ -224,6 +224,23 @@ class WithHead(GAN):
         self.head = torch.nn.Tanh()
 
 
+class FrozenFirstLayer(GAN):
+    """The generator's first weight frozen when the engines are built, in its optimizer all the same."""
+
+    def __init__(self) -> None:
+        super().__init__(unfreezes_and_trains)
+        self.generator[0].weight.requires_grad_(False)
+
+
+def unfreezes_and_trains(module: GAN, batch: torch.Tensor) -> None:
+    """Gradual unfreezing: the frozen layer requires gradients again, then the generator trains."""
+    module.generator[0].weight.requires_grad_(True)
+    real, z = patterns.split(batch)
+    opt_g, _ = module.optimizers()
+    module.manual_backward(module.discriminator(module.generator(z)).mean())
+    opt_g.step()
+
+
 class WithBackbone(GAN):
     """The generator as a ``backbone`` for Lightning's ``BackboneFinetuning``; the discriminator, the trained head."""
 
@@ -281,6 +298,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
     "closure_optimizer": (lambda: GAN(optimizers="lbfgs"), {}),
     "backbone_finetuning": (WithBackbone, {}),
+    **{f"unfrozen_zero{stage}": (FrozenFirstLayer, {"stage": stage}) for stage in (0, 2, 3)},
     "compiled_zero3": (Compiled, {"stage": 3}),
     "compiled_frozen_zero3": (lambda: Compiled("discriminator"), {"stage": 3, "engine_configs": {"generator": {}}}),
     "returned_loss_in_user_manual": (lambda: UserManual(skips_odd_batches), {}),
@@ -398,6 +416,12 @@ EXPECTED = {
     "detached_loss": r"reaches no trainable engine",
     "backbone_finetuning": r"`add_param_group\(...\)` on the optimizer of engine 'discriminator'.*BackboneFinetuning.*"
     r"Give the layers to unfreeze later their optimizer in `configure_optimizers` from the start",
+    "unfrozen_zero0": r"^no error$",  # ZeRO-0's torch optimizer steps every parameter with a gradient
+    **{
+        f"unfrozen_zero{stage}": rf"parameter '0.weight' of engine 'generator' had `requires_grad=False` when the "
+        rf"engine was built and requires a gradient now: ZeRO-{stage}.*give 'generator' ZeRO-0"
+        for stage in (2, 3)
+    },
     "closure_optimizer": r"optimizer of engine 'generator' \(`torch.optim.lbfgs.LBFGS`\) needs a closure.*"
     r"Give 'generator' an optimizer that steps without one",
     **{
