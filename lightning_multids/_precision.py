@@ -6,7 +6,8 @@ loss scales is scaled so that each engine sees its gradients at its own scale (:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,19 +23,32 @@ from lightning_multids._optimizer import EngineOptimizer
 
 
 class EnginePrecision(Precision):
-    """Keeps the Trainer's ``precision`` flag for the engine configs and leaves tensors alone.
+    """Keeps the Trainer's ``precision`` flag for the engine configs; under ``bf16-mixed``, autocast as DDP has.
 
-    Lightning picks autocast (``MixedPrecision``) for ``bf16-mixed`` on a DDP-like strategy; here each
-    DeepSpeed engine runs its own precision from its config instead, so this plugin adds no autocast
-    and no input conversion (engines cast their own inputs, see :func:`cast_inputs`).
+    Each DeepSpeed engine runs its own precision from its config (engines cast their own inputs, see
+    :func:`cast_inputs`). What runs outside the engines (a plain head fed by an engine, a loss with an fp32 weight)
+    runs under ``torch.autocast(bfloat16)`` in the steps' forward, as Lightning's ``MixedPrecision`` runs it under
+    ``DDPStrategy``; so do the engines' submodules, whose weights are bf16 already.
 
     Args:
         precision: the Trainer's precision flag, e.g. ``"32-true"`` or ``"bf16-mixed"``.
+        device: the device type autocast runs on, ``"cpu"`` or ``"cuda"``.
     """
 
-    def __init__(self, precision: str = "32-true") -> None:
+    def __init__(self, precision: str = "32-true", device: str = "cpu") -> None:
         super().__init__()
         self.precision = precision  # type: ignore[assignment]
+        self.device = device
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Autocast to bf16 under ``bf16-mixed`` (``cache_enabled=False``, as Lightning's ``MixedPrecision``)."""
+        if self.precision != "bf16-mixed":
+            yield
+            return
+        with torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=False):
+            yield
 
     @override
     def clip_gradients(

@@ -204,7 +204,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     def precision_plugin(self, plugin: Precision | None) -> None:
         # None stays None, so that Lightning's connector still hands us the plugin for the Trainer's flag.
         if plugin is not None and not isinstance(plugin, EnginePrecision):
-            plugin = EnginePrecision(str(getattr(plugin, "precision", "32-true")))
+            flag, device = getattr(plugin, "precision", "32-true"), getattr(plugin, "device", "cpu")
+            plugin = EnginePrecision(str(flag), str(device))
         store_precision_plugin(self, plugin)
 
     # ---- set-up ---------------------------------------------------------------------------------------
