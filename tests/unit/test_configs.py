@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -22,7 +24,8 @@ class ParseOnly(MultiDeepSpeedCLI):
 
 
 def parse(path: Path) -> ParseOnly:
-    return ParseOnly(args=["--config", str(path)], run=False)
+    with mock.patch.dict(os.environ):  # the CLI's `seed_everything` sets PL_GLOBAL_SEED and others: leave none behind
+        return ParseOnly(args=["--config", str(path)], run=False)
 
 
 def test_every_example_has_a_config() -> None:
