@@ -40,7 +40,7 @@ from lightning_multids._data import per_process_batch_size, train_loaders
 from lightning_multids._ema import Average, build_averager, check_averages
 from lightning_multids._engines import EngineSet
 from lightning_multids._planning import Plan, check_batch_settings, config_scheduler, plan_engines
-from lightning_multids._precision import cast_inputs, engine_dtype
+from lightning_multids._precision import autocast_off, cast_inputs, engine_dtype
 
 
 def build_engines(
@@ -211,11 +211,16 @@ def build_engine(
 def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
     """Add what the strategy needs around a built engine; return the handles that :func:`detach` removes.
 
-    Floating-point inputs of the submodule are cast to the engine's dtype on entry, and calling the
+    Floating-point inputs of the submodule are cast to the engine's dtype on entry, an fp32 engine runs with
+    autocast off (the ``bf16-mixed`` steps' autocast is for what runs outside the engines), and calling the
     engine itself is refused (:func:`refuse_direct_calls`).
     """
     refuse_direct_calls(name, engine)
-    return [engine.module.register_forward_pre_hook(cast_inputs(engine_dtype(engine)), with_kwargs=True)]
+    dtype = engine_dtype(engine)
+    handles = [engine.module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)]
+    if dtype == torch.float32:
+        handles += autocast_off(engine.module, engine.device.type)
+    return handles
 
 
 def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:

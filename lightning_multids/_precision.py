@@ -17,6 +17,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_multids._optimizer import EngineOptimizer
@@ -28,7 +29,8 @@ class EnginePrecision(Precision):
     Each DeepSpeed engine runs its own precision from its config (engines cast their own inputs, see
     :func:`cast_inputs`). What runs outside the engines (a plain head fed by an engine, a loss with an fp32 weight)
     runs under ``torch.autocast(bfloat16)`` in the steps' forward, as Lightning's ``MixedPrecision`` runs it under
-    ``DDPStrategy``; so do the engines' submodules, whose weights are bf16 already.
+    ``DDPStrategy``; so do the bf16 engines' submodules, whose weights are bf16 already. An fp32 engine (an EMA
+    engine, an engine whose config turns bf16 off) runs its forward with autocast off (:func:`autocast_off`).
 
     Args:
         precision: the Trainer's precision flag, e.g. ``"32-true"`` or ``"bf16-mixed"``.
@@ -83,6 +85,29 @@ def engine_dtype(engine: DeepSpeedEngine) -> torch.dtype:
     if engine.fp16_enabled():
         return torch.float16
     return torch.float32
+
+
+def autocast_off(module: nn.Module, device_type: str) -> list[RemovableHandle]:
+    """Run ``module``'s forward with ``device_type``'s autocast off where it is on; return the hooks' handles.
+
+    For an fp32 engine's submodule inside a ``bf16-mixed`` step: its config chose fp32. Where autocast is off
+    already (an fp32 run) the hooks change nothing. The hook after the forward runs also when the forward raises
+    (``always_call``), so autocast is never left off.
+    """
+    contexts: list[torch.autocast | None] = []
+
+    def enter(_: nn.Module, args: tuple) -> None:
+        context = torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else None
+        if context is not None:
+            context.__enter__()
+        contexts.append(context)
+
+    def leave(_: nn.Module, args: tuple, output: Any) -> None:
+        context = contexts.pop()
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
 
 
 def cast_inputs(dtype: torch.dtype) -> Any:

@@ -1,10 +1,14 @@
 """What runs outside the engines under ``bf16-mixed``: autocast, as Lightning's ``MixedPrecision`` gives DDP.
 
 A plain submodule (no optimizer, no engine) fed by a bf16 engine, and a loss with an fp32 class weight, run under
-``torch.autocast(bfloat16)``; the engine's weights stay within bf16 resolution of plain PyTorch in fp32.
+``torch.autocast(bfloat16)``; the engine's weights stay within bf16 resolution of plain PyTorch in fp32. An fp32
+engine beside them (an EMA of the trained one) still computes in fp32.
 """
 
 from __future__ import annotations
+
+import copy
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -46,13 +50,16 @@ class PlainHead(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.body, self.head = make_modules()
+        self.body_ema = copy.deepcopy(self.body)  # an fp32 EMA engine (`ema=` of the strategy)
         self.automatic_optimization = False
+        self.ema_dtypes: list[torch.dtype] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt = self.optimizers()
         opt.zero_grad()
         self.manual_backward(loss_of(self.body, self.head, batch))
         opt.step()
+        self.ema_dtypes.append(self.body_ema(batch[:, :4]).dtype)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.body.parameters(), lr=0.5)
@@ -61,18 +68,20 @@ class PlainHead(pl.LightningModule):
         return sharded_loader(self, make_data(), batch_size=PER_RANK)
 
 
-def fit_plain_head(stage: int) -> dict[str, torch.Tensor]:
-    """On each rank: the fit in bf16-mixed; the body's weights at its end, whole."""
+def fit_plain_head(stage: int) -> dict[str, Any]:
+    """On each rank: the fit in bf16-mixed; the body's weights at its end, whole, and the EMA's output dtypes."""
     at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
     trainer = cpu_trainer(
-        MultiDeepSpeedStrategy(stage=stage),
+        MultiDeepSpeedStrategy(stage=stage, ema={"body_ema": ("body", 0.5)}),
         precision="bf16-mixed",
         callbacks=[at_end],
         use_distributed_sampler=False,
         enable_checkpointing=False,
     )
-    trainer.fit(PlainHead())
-    return {key: value.float() for key, value in at_end.value.items() if key.startswith("body.")}
+    module = PlainHead()
+    trainer.fit(module)
+    weights = {key: value.float() for key, value in at_end.value.items() if key.startswith("body.")}
+    return {"weights": weights, "ema_dtypes": module.ema_dtypes}
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -90,8 +99,9 @@ def reference() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_plain_head_and_an_fp32_loss_weight_run_under_autocast_in_bf16(stage: int) -> None:
-    weights = on_ranks(fit_plain_head, stage)[0]
-    expected = reference()
+    result = on_ranks(fit_plain_head, stage)[0]
+    assert result["ema_dtypes"] == [torch.float32] * STEPS  # the fp32 engine's forward: autocast off
+    weights, expected = result["weights"], reference()
     assert weights.keys() == expected.keys()
     moved = max(
         (expected[key] - make_modules()[0].state_dict()[key.removeprefix("body.")]).abs().max() for key in expected
