@@ -26,7 +26,7 @@ from lightning_multids._discovery import UNWALKED, reached_engines
 from lightning_multids._ema import Averager
 from lightning_multids._gradients import full_gradients
 from lightning_multids._optimizer import EngineOptimizer
-from lightning_multids._precision import loss_scaling
+from lightning_multids._precision import engine_dtype, loss_scaling
 from lightning_multids._routing import Router, refuse_uneven_zero3
 
 
@@ -45,8 +45,9 @@ class EngineRecord:
     """The blocks it is inside now, outermost first (:mod:`lightning_multids._blocks`); its optimizer reads the same
     list to refuse a step inside one."""
     untrained: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)
-    """A trainable ZeRO-1/2/3 engine's parameters that had ``requires_grad=False`` when it was built (by name): its
-    optimizer holds no partition or fp32 copy of them, so they can never train."""
+    """A trainable engine's parameters that had ``requires_grad=False`` when it was built (by name), where its
+    optimizer holds no partition or fp32 copy of them, so they can never train: at ZeRO-1/2/3, and at ZeRO-0 in
+    bf16 or fp16 (DeepSpeed's 16-bit optimizers keep fp32 copies of the trained parameters only)."""
 
 
 @dataclass
@@ -92,7 +93,7 @@ class EngineSet:
         self.add(name, engine, handles)
         record = self.records[name]
         record.optimizer = EngineOptimizer(name, engine, optimizer, params, blocks=record.blocks)
-        if engine.zero_optimization_stage():
+        if engine.zero_optimization_stage() or engine_dtype(engine) != torch.float32:
             record.untrained = [(key, p) for key, p in engine.module.named_parameters() if not p.requires_grad]
         self.owners.update({id(p): name for p in engine.module.parameters()})
 
@@ -224,13 +225,14 @@ class EngineSet:
         for record in self.records.values():
             for key, param in record.untrained:
                 if param.requires_grad:
-                    stage = record.engine.zero_optimization_stage()
+                    engine = record.engine
+                    kept = f"ZeRO-{engine.zero_optimization_stage()} in {str(engine_dtype(engine)).split('.')[-1]}"
                     raise ValueError(
                         f"The parameter {key!r} of engine {record.name!r} had `requires_grad=False` when the engine "
-                        f"was built and requires a gradient now: ZeRO-{stage} made its partitions and fp32 copies "
-                        "of the parameters that trained then, so this one would never train. Keep it "
+                        f"was built and requires a gradient now: its optimizer ({kept}) made its partitions and "
+                        "fp32 copies of the parameters that trained then, so this one would never train. Keep it "
                         "`requires_grad=True` from the start, in a parameter group with `lr` 0 until it is to "
-                        f"train (then set the group's `lr`), or give {record.name!r} ZeRO-0."
+                        f"train (then set the group's `lr`), or give {record.name!r} ZeRO-0 in fp32."
                     )
 
     def _refuse_untrained(self) -> None:

@@ -299,6 +299,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "closure_optimizer": (lambda: GAN(optimizers="lbfgs"), {}),
     "backbone_finetuning": (WithBackbone, {}),
     **{f"unfrozen_zero{stage}": (FrozenFirstLayer, {"stage": stage}) for stage in (0, 2, 3)},
+    "unfrozen_zero0_bf16": (FrozenFirstLayer, {"stage": 0}),
     "compiled_zero3": (Compiled, {"stage": 3}),
     "compiled_frozen_zero3": (lambda: Compiled("discriminator"), {"stage": 3, "engine_configs": {"generator": {}}}),
     "returned_loss_in_user_manual": (lambda: UserManual(skips_odd_batches), {}),
@@ -343,6 +344,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
 TRAINER_KWARGS: dict[str, dict] = {
     "accumulate_when_switched": {"accumulate_grad_batches": 2},
     "optimizer_state_dict_zero0_bf16": {"precision": "bf16-mixed"},
+    "unfrozen_zero0_bf16": {"precision": "bf16-mixed"},
     "backbone_finetuning": {"callbacks": [BackboneFinetuning(unfreeze_backbone_at_epoch=1)], "max_epochs": 2},
 }
 
@@ -418,9 +420,10 @@ EXPECTED = {
     r"Give the layers to unfreeze later their optimizer in `configure_optimizers` from the start",
     "unfrozen_zero0": r"^no error$",  # ZeRO-0's torch optimizer steps every parameter with a gradient
     **{
-        f"unfrozen_zero{stage}": rf"parameter '0.weight' of engine 'generator' had `requires_grad=False` when the "
-        rf"engine was built and requires a gradient now: ZeRO-{stage}.*give 'generator' ZeRO-0"
-        for stage in (2, 3)
+        f"unfrozen_zero{name}": rf"parameter '0.weight' of engine 'generator' had `requires_grad=False` when the "
+        rf"engine was built and requires a gradient now: its optimizer \(ZeRO-{stage} in {dtype}\).*give 'generator' "
+        r"ZeRO-0 in fp32"
+        for name, stage, dtype in [("0_bf16", 0, "bfloat16"), ("2", 2, "float32"), ("3", 3, "float32")]
     },
     "closure_optimizer": r"optimizer of engine 'generator' \(`torch.optim.lbfgs.LBFGS`\) needs a closure.*"
     r"Give 'generator' an optimizer that steps without one",
