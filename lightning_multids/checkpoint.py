@@ -98,7 +98,7 @@ def save(
     for name, engine in engines.items():
         engine.save_checkpoint(str(partial / ENGINE_DIR / name), tag=TAG, client_state={})
     for name, module in weights.items():
-        save_weights(module, partial / ENGINE_DIR / name, is_global_zero=is_global_zero)
+        save_weights(module, partial / ENGINE_DIR / name, is_global_zero=is_global_zero, trained=name not in frozen)
     if is_global_zero:
         modules = {**{name: engine.module for name, engine in engines.items()}, **weights}
         for name, module in modules.items():
@@ -232,16 +232,17 @@ def check_stages(saved: Mapping[str, Any], engines: Mapping[str, DeepSpeedEngine
         )
 
 
-def save_weights(module: nn.Module, directory: Path, *, is_global_zero: bool) -> None:
+def save_weights(module: nn.Module, directory: Path, *, is_global_zero: bool, trained: bool = False) -> None:
     """Write ``module``'s whole ``state_dict`` to ``directory/weights.pt`` on rank 0; a collective call.
 
-    ZeRO-3 parameters are gathered one at a time, so no rank holds more than one of them whole. A trained
-    parameter whose engine keeps an fp32 master copy beside 16-bit weights (bf16, fp16) is saved from that copy,
-    as DeepSpeed's own checkpoint and :func:`export` give it.
+    ZeRO-3 parameters are gathered one at a time, so no rank holds more than one of them whole. Where the module
+    is a ``trained`` engine's and its ZeRO-1/2/3 optimizer keeps an fp32 master copy beside 16-bit weights (bf16,
+    fp16), a parameter is saved from that copy, as DeepSpeed's own checkpoint and :func:`export` give it (at
+    ZeRO-0, DeepSpeed gives no such copy per parameter: the 16-bit weights are saved).
     """
     state = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        master = deepspeed.utils.safe_get_full_fp32_param(value) if _has_master(value) else None
+        master = deepspeed.utils.safe_get_full_fp32_param(value) if trained and _has_master(value) else None
         with contextlib.nullcontext() if master is not None else whole([value]):
             if is_global_zero:
                 state[key] = (value if master is None else master).detach().cpu().clone()
