@@ -1,7 +1,7 @@
 """Every example config runs a few steps on 2 CPU processes through the real ``lightning-multids`` command.
 
-The examples' own runs are marked ``examples``: every lane runs them; the fast local loop (``make test-quick``) leaves
-them out, and keeps the GAN's, which check the command itself (resuming, errors).
+The examples' own runs are marked ``examples``: the oldest and newest lanes leave them out (the Makefile), and keep
+the GAN's, which check the command itself (resuming, errors).
 
 Each test copies ``configs/`` into a temporary directory and runs the console script there, as a user
 would from the repository root, so every output (logs, checkpoints) lands in the temporary directory.

@@ -48,15 +48,19 @@ def dry_run_of_test_all() -> list[str]:
     return make("-n", "-B", "test-all", "CPYTHON=echo python").splitlines()
 
 
-def whole_suite_runs(commands: list[str]) -> set[tuple[str, str]]:
-    """(Python minor, torch version) of every venv that the commands make and run the whole suite in."""
+def whole_suite_runs(commands: list[str], examples: bool = False) -> set[tuple[str, str]]:
+    """(Python minor, torch version) of every venv that the commands make and run the whole suite in.
+
+    The whole suite but the examples' command-line runs (``-m 'not examples'``) counts too, unless ``examples``.
+    """
     pythons, torches, suites = {}, {}, set()
+    deselect = "" if examples else r"(?: -m 'not examples')?"
     for command in commands:
         if made := re.fullmatch(r"python (\d+\.\d+) -m venv (\S+)", command):
             pythons[made[2]] = made[1]
         elif installed := re.match(r"(\S+)/bin/python -m pip install .*\"torch==([\d.]+)\"", command):
             torches[installed[1]] = installed[2]
-        elif suite := re.fullmatch(r"(?:EXPECTED_[A-Z]+=\S+ )*(\S+)/bin/python -m pytest tests", command):
+        elif suite := re.fullmatch(rf"(?:EXPECTED_[A-Z]+=\S+ )*(\S+)/bin/python -m pytest tests{deselect}", command):
             suites.add(suite[1])
     return {(pythons[venv], torches[venv]) for venv in suites if venv in pythons and venv in torches}
 
@@ -86,6 +90,8 @@ def assert_admits_only(what: str, specifier: SpecifierSet, tested: list[Version]
 def test_make_test_all_runs_the_whole_suite_on_every_lane() -> None:
     commands = dry_run_of_test_all()
     assert lanes() == whole_suite_runs(commands)
+    pinned = next(line.split() for line in make("-s", "print-lanes").splitlines())
+    assert whole_suite_runs(commands, examples=True) == {tuple(pinned)}, "the pinned lane runs the examples too"
     assert not ignored_failures(commands, (REPO / "Makefile").read_text())
 
 
@@ -116,7 +122,9 @@ def test_the_dry_run_parser_sees_a_lane_that_does_not_run() -> None:
         ("3.13", "2.15.0")
     }
     assert whole_suite_runs([*commands, "PYTEST_ADDOPTS=--lf .v/bin/python -m pytest tests"]) == set()
-    assert whole_suite_runs([*commands, "X=1 .v/bin/python -m pytest tests -m 'not examples'"]) == set()
+    left_out = "EXPECTED_PYTHON=3.13 .v/bin/python -m pytest tests -m 'not examples'"
+    assert whole_suite_runs([*commands, left_out]) == {("3.13", "2.15.0")}
+    assert whole_suite_runs([*commands, left_out], examples=True) == set()
     assert whole_suite_runs([*commands, "X=1 .v/bin/python -m pytest tests -m 'not slow'"]) == set()
 
 
