@@ -82,7 +82,7 @@ test-pinned:
 
 # The oldest and newest lanes leave out the examples' full command-line runs (pytest marker `examples`: the digits'
 # distillation, PPO, GradCache and the language models), which the pinned lane and the doc test run: CI's 90 minutes
-# (with them, a fresh-clone .ci/run was measured at about 84 minutes; BENCHMARKS.md).
+# (with them, a fresh-clone .ci/run took 89 min 45 s; BENCHMARKS.md).
 test-oldest:
 	$(MAKE) lane LANE="$(OLDEST_LANE)" LANE_TESTS="$(LIBRARY_TESTS)"
 
