@@ -51,6 +51,7 @@ from lightning_multids._lifecycle import (
     build_evaluation_engines,
     is_partitioned,
     release_engines,
+    sync_buffers,
     sync_replicated_states,
     zero3_init,
 )
@@ -97,6 +98,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             raises, instead of waiting in its all-gather for ``timeout``; separate from ``timeout``, so raise it too
             where ranks reach a block further apart. ``None`` turns the check off (a gloo group, made at setup where
             some engine is ZeRO-3, and one small all-gather per block).
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm's running statistics) to every rank at the start of
+            each ``training_step``, as ``DDPStrategy(broadcast_buffers=True)``, its default, does before each forward;
+            one coalesced broadcast a step where the module has buffers. ``False`` lets each rank keep its own.
     """
 
     strategy_name = "multi_deepspeed"
@@ -117,6 +121,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         save_frozen: bool = False,
         ema: EmaArgument | None = None,
         gathered_timeout: timedelta | None = timedelta(minutes=5),
+        broadcast_buffers: bool = True,
     ) -> None:
         _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
@@ -143,6 +148,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         _refuse_zero3_launched_in_process(start_method, self.stage, self.config, self.engine_configs)
         self.save_frozen = save_frozen
         self.gathered_timeout = gathered_timeout
+        self.broadcast_buffers = broadcast_buffers
         self._arrival: Arrival | None = None
         self.averages = parse_averages(ema)
         self._entries = average_entries(self.averages, self.engine_configs)
@@ -440,7 +446,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run ``training_step``; refuse a module switched to manual optimization that can never train."""
+        """Run ``training_step`` from rank 0's buffers (``broadcast_buffers``); refuse a module that can never train."""
+        if self.broadcast_buffers and self.world_size > 1 and torch.is_grad_enabled():
+            sync_buffers(self.lightning_module)
         output = super().training_step(*args, **kwargs)
         self._engine_set.check_loss_was_used(output)
         return output

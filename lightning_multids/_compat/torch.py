@@ -7,10 +7,12 @@ one file.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import torch
+from torch.distributed.distributed_c10d import _get_default_group
+from torch.distributed.utils import _sync_params_and_buffers
 from torch.optim import optimizer as _optimizer
 
 queue_callback: Callable[[Callable[[], None]], None] = (
@@ -91,3 +93,13 @@ def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` is what ``torch.compile(module)`` returns (a wrapper around the original module)."""
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def broadcast_buffers(module: torch.nn.Module, ignore: Container[str]) -> None:
+    """Broadcast rank 0's buffers of ``module`` (but those named in ``ignore``) in coalesced buckets; a collective.
+
+    What ``DistributedDataParallel`` does before a forward with ``broadcast_buffers=True`` (``_sync_buffers``, which
+    calls ``torch.distributed.utils._sync_params_and_buffers`` with 250 MiB buckets from rank 0).
+    """
+    buffers = [buffer.detach() for name, buffer in module.named_buffers() if name not in ignore]
+    _sync_params_and_buffers(_get_default_group(), buffers, 250 * 1024 * 1024, 0)
