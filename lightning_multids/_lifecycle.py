@@ -363,7 +363,7 @@ def sync_buffers(module: nn.Module) -> None:
     (``broadcast_buffers=True``), honouring ``module._ddp_params_and_buffers_to_ignore`` as it does. Buffers are
     whole on every rank at every ZeRO stage, so each rank then computes from rank 0's.
     """
-    torch_compat.broadcast_buffers(module, set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())))
+    torch_compat.broadcast_buffers(module)
 
 
 def sync_replicated_states(module: nn.Module) -> None:

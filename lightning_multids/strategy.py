@@ -447,8 +447,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``training_step`` from rank 0's buffers (``broadcast_buffers``); refuse a module that can never train."""
-        if self.broadcast_buffers and self.world_size > 1 and torch.is_grad_enabled():
-            sync_buffers(self.lightning_module)
+        module = self.lightning_module
+        if module is not None and self.broadcast_buffers and self.world_size > 1 and torch.is_grad_enabled():
+            sync_buffers(module)
         output = super().training_step(*args, **kwargs)
         self._engine_set.check_loss_was_used(output)
         return output

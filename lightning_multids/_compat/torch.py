@@ -7,7 +7,7 @@ one file.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,11 +95,13 @@ def is_compiled(module: torch.nn.Module) -> bool:
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
-def broadcast_buffers(module: torch.nn.Module, ignore: Container[str]) -> None:
-    """Broadcast rank 0's buffers of ``module`` (but those named in ``ignore``) in coalesced buckets; a collective.
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Broadcast rank 0's buffers of ``module`` in coalesced buckets; a collective call.
 
     What ``DistributedDataParallel`` does before a forward with ``broadcast_buffers=True`` (``_sync_buffers``, which
-    calls ``torch.distributed.utils._sync_params_and_buffers`` with 250 MiB buckets from rank 0).
+    calls ``torch.distributed.utils._sync_params_and_buffers`` with 250 MiB buckets from rank 0), leaving out the
+    buffers named in ``module._ddp_params_and_buffers_to_ignore`` as it does.
     """
+    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
     buffers = [buffer.detach() for name, buffer in module.named_buffers() if name not in ignore]
     _sync_params_and_buffers(_get_default_group(), buffers, 250 * 1024 * 1024, 0)
