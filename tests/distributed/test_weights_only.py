@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids.cli import main
 from tests import patterns
 from tests.distributed.common import cpu_trainer, sharded_loader
 from tests.distributed.harness import REPO, on_ranks
@@ -171,24 +172,40 @@ def test_a_saved_average_whose_submodule_is_gone_is_refused_with_strict_loading(
         assert re.match(expected, message), message
 
 
+def export(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``lightning-multids export ARGS`` run in this process: its exit status and what it wrote to stderr."""
+    try:
+        main(["export", *args])
+    except SystemExit as exit:
+        return int(exit.code or 0), capsys.readouterr().err
+    return 0, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("part", sorted(PARTS))
-def test_export_refuses_a_poisoned_part_unless_unsafe_load(trained: Path, part: str) -> None:
+def test_export_refuses_a_poisoned_part_unless_unsafe_load(
+    trained: Path, part: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     file, marker = poisoned_copy(trained, f"export-{part}", PARTS[part])
     out = trained / "exported" / part
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_multids.cli",
-        "export",
-        str(trained / "cases" / f"export-{part}" / "last.ckpt"),
-        str(out),
-    ]
+    args = [str(trained / "cases" / f"export-{part}" / "last.ckpt"), str(out)]
+    status, stderr = export(capsys, *args)
+    assert status == 2, stderr[-3000:]
+    assert "Refusing to load" in stderr and repr(str(file)) in stderr, stderr[-3000:]
+    assert "--unsafe-load" in stderr
+    assert not marker.exists() and not out.exists()
+    status, stderr = export(capsys, *args, "--unsafe-load")
+    assert status == 0, stderr[-3000:]
+    assert marker.exists()
+    assert sorted(p.name for p in out.iterdir()) == ["plain.pt", "student.pt", "student_ema.pt", "teacher.pt"]
+
+
+def test_the_export_command_shows_the_refusal_without_a_traceback(trained: Path) -> None:
+    """The command itself, in a new process (the test above calls it in this one): exit status 2 and one message."""
+    file, marker = poisoned_copy(trained, "export-command", PARTS["model_states"])
+    checkpoint = trained / "cases" / "export-command" / "last.ckpt"
+    command = [sys.executable, "-m", "lightning_multids.cli", "export", str(checkpoint), str(trained / "out")]
     refused = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "Refusing to load" in refused.stderr and repr(str(file)) in refused.stderr, refused.stderr[-3000:]
     assert "--unsafe-load" in refused.stderr and "Traceback" not in refused.stderr
-    assert not marker.exists() and not out.exists()
-    loaded = subprocess.run([*command, "--unsafe-load"], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
-    assert marker.exists()
-    assert sorted(p.name for p in out.iterdir()) == ["plain.pt", "student.pt", "student_ema.pt", "teacher.pt"]
+    assert not marker.exists()
