@@ -62,6 +62,11 @@ def script_blocks(root: Path) -> list[str]:
     return [block for path in ["README.md", *DOCS] for block in bash_blocks((root / path).read_text())]
 
 
+def timed(number: int, block: str) -> str:
+    """``block``, followed by a line of the log that says how long it took (bash's ``SECONDS``)."""
+    return f'SECONDS=0\n{block}\necho "[bash block {number}: $SECONDS s]"\n'
+
+
 def test_every_guide_with_bash_blocks_is_run() -> None:
     guides = sorted(path.relative_to(REPO).as_posix() for path in (REPO / "docs").glob("*.md"))
     with_blocks = [guide for guide in guides if bash_blocks((REPO / guide).read_text())]
@@ -105,7 +110,7 @@ def test_the_language_models_results_are_read() -> None:
 def test_readme_commands_run_as_printed(tmp_path: Path) -> None:
     clone = tmp_path / "lightning-multids"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True)
-    script = PRELUDE + "\n".join(script_blocks(clone)) + "\n"
+    script = PRELUDE + "".join(timed(number, block) for number, block in enumerate(script_blocks(clone), 1))
     (tmp_path / "readme.sh").write_text(script)
     inherited = ("VIRTUAL_ENV", "TORCH_EXTENSIONS", "PYTHONPATH", "MAKE", "MFLAGS")  # a new user's shell has none
     environment = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
