@@ -297,7 +297,8 @@ class EngineOptimizer(Optimizer):
         self.engine = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"EngineOptimizer(engine={self.name!r}, optimizer={type(self.optimizer).__name__})"
+        """The engine's name, then the optimizer it steps as torch shows it (its class and each group's settings)."""
+        return f"EngineOptimizer(engine={self.name!r}) over {self.optimizer!r}"
 
 
 class EngineScheduler:

@@ -21,7 +21,12 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_multids._compat.lightning import call_configure_optimizers, optimizers_and_schedulers, scheduler_configs
+from lightning_multids._compat.lightning import (
+    call_configure_optimizers,
+    optimizers_and_schedulers,
+    refuse_optimizer_idx,
+    scheduler_configs,
+)
 from lightning_multids._compat.torch import is_compiled
 from lightning_multids._config import frozen_config, zero_stage
 from lightning_multids._discovery import match_optimizers
@@ -88,6 +93,7 @@ def collect_optimizers(
             "Adam(self.discriminator.parameters())]`, or give an engine an `optimizer` section in its DeepSpeed config."
         )
     optimizers, schedulers, monitor = optimizers_and_schedulers(conf) if conf is not None else ([], [], None)
+    refuse_optimizer_idx(module, optimizers)
     total = len(optimizers) + num_config_optimizers
     if total > 1 and module.automatic_optimization:
         _refuse_accumulation_in_manual(trainer, module, total)

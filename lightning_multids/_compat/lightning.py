@@ -16,6 +16,7 @@ from lightning.pytorch.core.optimizer import (
     _configure_optimizers,
     _configure_schedulers_automatic_opt,
     _configure_schedulers_manual_opt,
+    _validate_multiple_optimizers_support,
     _validate_optimizers_attached,
     _validate_scheduler_api,
 )
@@ -25,6 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource, _request_dataloader
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 from torch.optim import Optimizer
@@ -78,6 +80,16 @@ def sync_module_states(module: nn.Module) -> None:
 def call_configure_optimizers(trainer: pl.Trainer, module: pl.LightningModule) -> Any:
     """Call the module's ``configure_optimizers`` as the trainer does (``trainer.call._call_lightning_module_hook``)."""
     return call._call_lightning_module_hook(trainer, "configure_optimizers", pl_module=module)
+
+
+def refuse_optimizer_idx(module: pl.LightningModule, optimizers: list[Optimizer]) -> None:
+    """Lightning's own error for a ``training_step(..., optimizer_idx)`` written for Lightning 1.x.
+
+    ``_validate_multiple_optimizers_support``, which the trainer calls where the strategy lets Lightning set up the
+    optimizers; its first check is this one.
+    """
+    if is_param_in_hook_signature(module.training_step, "optimizer_idx", explicit=True):
+        _validate_multiple_optimizers_support(optimizers, module)
 
 
 def optimizers_and_schedulers(conf: Any) -> tuple[list[Optimizer], list[Any], str | None]:

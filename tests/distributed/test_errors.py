@@ -200,6 +200,13 @@ class UserManual(GAN):
         self.automatic_optimization = False
 
 
+class Lightning1x(GAN):
+    """``training_step`` as Lightning 1.x called it, once per optimizer."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int, optimizer_idx: int) -> object:  # type: ignore[override]
+        return returns_loss(self, batch)
+
+
 class ForcedAutomatic(GAN):
     @property
     def automatic_optimization(self) -> bool:
@@ -310,6 +317,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         {"engine_configs": {"discriminator": SCHEDULED}},
     ),
     "forced_automatic": (lambda: ForcedAutomatic(returns_loss), {}),
+    "optimizer_idx": (Lightning1x, {}),
     "batch_contradiction": (
         lambda: GAN(returns_loss),
         {"engine_configs": {"generator": {"train_micro_batch_size_per_gpu": 16}}},
@@ -436,6 +444,7 @@ EXPECTED = {
     "accumulate_when_switched": r"accumulate_grad_batches=2\)`: `GAN` has 2 trainable engines.*manual_backward\(loss",
     "scheduler_stepped_by_user": r"scheduler of engine 'discriminator' is stepped by its optimizer",
     "forced_automatic": r"2 trainable engines but keeps `automatic_optimization` True.*remove the",
+    "optimizer_idx": r"Remove the `optimizer_idx` argument from `training_step`",
     "batch_contradiction": r"engine 'generator' sets train_micro_batch_size_per_gpu=16.*gives 4 samples per process",
     "engine_called_directly": r"engine .generator. was called directly. Call the submodule instead \(`self.gen",
     "optimizer_state_dict_zero3": r"`opt.state_dict\(\)` of engine 'generator'.*flat fp32 partitions.*"

@@ -40,3 +40,14 @@ def test_clipping_by_value_in_manual_optimization_is_refused() -> None:
     optimizer = EngineOptimizer("critic", engine, sgd(*module.parameters()), [list(module.parameters())])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"engine 'critic' by value is not available.*gradient_clip_algorithm='norm'"):
         EnginePrecision().clip_gradients(optimizer, 0.5, "value")  # type: ignore[arg-type]
+
+
+def test_repr_names_the_engine_and_shows_the_optimizer_as_torch_does() -> None:
+    from lightning_multids._optimizer import EngineOptimizer
+
+    module = nn.Linear(2, 2)
+    engine = SimpleNamespace(module=module, fp16_enabled=lambda: False, optimizer=None)
+    inner = torch.optim.Adam(module.parameters(), lr=0.01)
+    optimizer = EngineOptimizer("critic", engine, inner, [list(module.parameters())])  # type: ignore[arg-type]
+    assert repr(optimizer) == f"EngineOptimizer(engine='critic') over {inner!r}"
+    assert "Adam (\nParameter Group 0\n" in repr(optimizer) and "lr: 0.01\n" in repr(optimizer)
