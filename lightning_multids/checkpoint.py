@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+import fsspec
 import torch
 from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import is_zero_param
@@ -140,6 +141,37 @@ def _move_into_place(partial: Path, path: Path) -> None:
         os.replace(path, old)
     os.replace(partial, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def local_path(path: str | os.PathLike[str], what: str) -> str:
+    """``path`` as a path on this machine's filesystem: a ``file://`` URL's path; other URLs refused.
+
+    Each engine writes and reads its part through DeepSpeed, which opens local files only, so a checkpoint lives on
+    a local or mounted filesystem. A URL of another fsspec filesystem (``s3://``, ``gs://``, ``memory://``) would
+    otherwise become a local folder named after its scheme.
+
+    Args:
+        path: the path or URL given.
+        what: where it was given, for the error, e.g. "`trainer.save_checkpoint`'s path".
+    """
+    text = os.fspath(path)
+    protocol = fsspec.utils.get_protocol(text)
+    if protocol in ("file", "local"):
+        return text.removeprefix("file://").removeprefix("local://")
+    raise ValueError(
+        f"{what} {text!r} is on fsspec's {protocol!r} filesystem, but MultiDeepSpeedStrategy writes and reads "
+        "checkpoints as directories on a local or mounted filesystem (each engine's part goes through DeepSpeed, "
+        "which opens local files only). Save to a local directory, e.g. `ModelCheckpoint(dirpath='checkpoints/')`, "
+        f"and copy it afterwards: `fsspec.filesystem({protocol!r}).put('checkpoints/', {text!r}, recursive=True)`."
+    )
+
+
+def check_checkpoint_dirs(callbacks: list[Any]) -> None:
+    """Refuse, at setup, a ``ModelCheckpoint`` whose ``dirpath`` is another filesystem's URL (:func:`local_path`)."""
+    for callback in callbacks:
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath is not None:
+            local_path(dirpath, f"`{type(callback).__name__}(dirpath=...)`")
 
 
 def resolve(path: str | Path) -> Path:

@@ -259,6 +259,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         check_engine_names(module, self.engine_configs)
         check_average_names(self.averages, module)
         if fitting:
+            checkpoints.check_checkpoint_dirs(trainer.checkpoint_callbacks)
             self._setup_fit(trainer, module)
             self.model_to_device()  # the plain submodules: the engines' ones are on the device already
         else:
@@ -527,6 +528,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 "`validate`/`test`/`predict` since), or it ended in an exception. Save during or right after "
                 "`trainer.fit(...)`, or with a `ModelCheckpoint` callback."
             )
+        filepath = checkpoints.local_path(filepath, "`trainer.save_checkpoint`'s path")
         engines, frozen = engine_set.engines, engine_set.frozen_names()
         saved = engine_set.saved_names(self.save_frozen)
         averager = engine_set.averager
@@ -553,7 +555,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         Every file loads as ``torch.load`` with ``weights_only`` would (``None``: torch's default, tensors and plain
         types only), DeepSpeed's too (see :mod:`lightning_multids._loading`), as under Lightning's own strategies.
         """
-        path = checkpoints.resolve(self.broadcast(str(checkpoint_path)))
+        local = checkpoints.local_path(checkpoint_path, "The checkpoint path")
+        path = checkpoints.resolve(self.broadcast(local))
         with loading.reading(path, weights_only):
             lightning = checkpoints.read_lightning_part(path, weights_only)
         self._loading = _Loading(path, lightning[checkpoints.FORMAT_KEY], weights_only)

@@ -504,6 +504,43 @@ def fit_from_bad_paths(root: Path) -> dict[str, str]:
     return messages
 
 
+def fit_with_urls(root: Path) -> dict[str, str]:
+    """On each rank, in ROOT: fits and saves with fsspec URLs; each one's error message (or ``no error``) by name."""
+    os.chdir(root)
+    url = f"file://{root}/ckpts/last.ckpt"
+    memory = ModelCheckpoint(dirpath="memory://run/ckpts")
+    cases = {
+        "file_resume": lambda: trainer(root / "file", 2).fit(GAN(), ckpt_path=url),
+        "file_save": lambda: fitted.save_checkpoint(f"file://{root}/saved.ckpt"),
+        "memory_save": lambda: fitted.save_checkpoint("memory://run/model.ckpt"),
+        "memory_dirpath": lambda: cpu_trainer(MultiDeepSpeedStrategy(stage=3), callbacks=[memory]).fit(GAN()),
+    }
+    fitted = trainer(root / "fitted", 1)
+    fitted.fit(GAN())
+    messages = {}
+    for name, case in cases.items():
+        try:
+            case()
+        except ValueError as err:
+            messages[name] = str(err).replace("\n", " ")
+        else:
+            messages[name] = "no error"
+    return messages
+
+
+def test_fsspec_urls_are_local_files_or_refused_at_once(trained: Path) -> None:
+    messages = on_ranks(fit_with_urls, trained)[0]
+    assert messages["file_resume"] == "no error" and messages["file_save"] == "no error", messages
+    assert (trained / "saved.ckpt" / "lightning.pt").is_file()
+    for name, what in (
+        ("memory_save", "`trainer.save_checkpoint`'s path 'memory://run/model.ckpt'"),
+        ("memory_dirpath", "`ModelCheckpoint(dirpath=...)` 'memory://run/ckpts'"),
+    ):
+        expected = rf"^{re.escape(what)} is on fsspec's 'memory' filesystem.*Save to a local directory.*\.put\("
+        assert re.search(expected, messages[name]), messages[name]
+    assert not list(trained.glob("memory*")), "a URL became a local folder"
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ZeRO-3 GAN trained for one epoch, with its checkpoints and its live weights (ROOT/live.pt)."""
