@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,7 +202,8 @@ class EngineOptimizer(Optimizer):
             hook(self, (self, *args), kwargs)
         return loss
 
-    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def _step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        _check_step_arguments(self.name, self.optimizer, kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -211,7 +215,8 @@ class EngineOptimizer(Optimizer):
         step, skipped = self.engine.global_steps + 1, self.engine.skipped_steps
         returned = False
         try:
-            self.engine.step()
+            with _passing(self.optimizer, kwargs):
+                self.engine.step()
             returned = True
             applied = self.engine.skipped_steps == skipped
         except NonFiniteGradients:  # stage 0, fp32: raised before the torch optimizer changed anything
@@ -299,6 +304,48 @@ class EngineOptimizer(Optimizer):
     def __repr__(self) -> str:
         """The engine's name, then the optimizer it steps as torch shows it (its class and each group's settings)."""
         return f"EngineOptimizer(engine={self.name!r}) over {self.optimizer!r}"
+
+
+def _check_step_arguments(name: str, optimizer: Optimizer, kwargs: dict[str, Any]) -> None:
+    """Refuse keyword arguments of ``opt.step(...)`` that the optimizer's own ``step`` does not take, naming them."""
+    if not kwargs:
+        return
+    try:
+        parameters = inspect.signature(optimizer.step).parameters.values()
+    except (TypeError, ValueError):  # a step written in C shows no signature: let it say for itself
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    taken = {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    unknown = sorted(set(kwargs) - taken)
+    if unknown:
+        kind = type(optimizer)
+        raise TypeError(
+            f"`opt.step({', '.join(f'{key}=...' for key in unknown)})` of engine {name!r}: "
+            f"`{kind.__module__}.{kind.__qualname__}.step` takes no argument {unknown[0]!r}, so it cannot be passed "
+            f"on. Remove it, or give {name!r} an optimizer whose `step` takes it."
+        )
+
+
+@contextmanager
+def _passing(optimizer: Optimizer, kwargs: dict[str, Any]) -> Iterator[None]:
+    """While the engine steps, its torch optimizer's ``step`` also gets ``kwargs`` (``opt.step(closure, **kwargs)``).
+
+    DeepSpeed calls ``optimizer.step()`` itself, on the whole parameters at ZeRO-0 and on the fp32 partitions at
+    ZeRO-1/2/3; an instance attribute holds the arguments for that call and is removed after it.
+    """
+    if not kwargs:
+        yield
+        return
+    before = vars(optimizer).get("step")
+    optimizer.step = functools.partial(optimizer.step, **kwargs)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if before is None:
+            del optimizer.step
+        else:
+            optimizer.step = before  # type: ignore[method-assign]
 
 
 class EngineScheduler:
