@@ -103,7 +103,12 @@ def _run_fresh(script: Path, args: tuple[str, ...], environments: list[dict[str,
     except subprocess.TimeoutExpired:
         for proc in procs:
             proc.kill()
-        raise _timed_out(script, args, timeout) from None
+            proc.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+        raise _timed_out(script, args, timeout, outputs) from None
     outputs = []
     for log in logs:
         log.seek(0)
@@ -129,12 +134,14 @@ def _run_forked(script: Path, args: tuple[str, ...], environments: list[dict[str
             for proc in procs:
                 proc.kill()
                 proc.join()
-            raise _timed_out(script, args, timeout)
+            raise _timed_out(script, args, timeout, [log.read_text() for log in logs])
         return _checked(script, [proc.exitcode for proc in procs], [log.read_text() for log in logs])
 
 
-def _timed_out(script: Path, args: tuple[str, ...], timeout: float) -> AssertionError:
-    return AssertionError(f"{script.name} {' '.join(args)}: a rank did not finish within {timeout} s")
+def _timed_out(script: Path, args: tuple[str, ...], timeout: float, outputs: list[str]) -> AssertionError:
+    """The error of a launch whose ranks were killed at ``timeout``, with the end of each rank's output."""
+    tails = "".join(f"\n--- rank {rank}, its last lines:\n{out[-3000:]}" for rank, out in enumerate(outputs))
+    return AssertionError(f"{script.name} {' '.join(args)}: a rank did not finish within {timeout} s{tails}")
 
 
 def _checked(script: Path, codes: list[int | None], outputs: list[str]) -> list[str]:
