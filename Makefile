@@ -24,7 +24,6 @@ PINNED_LANE := 3.11 $(PINNED_TORCH)
 OLDEST_LANE := 3.11 2.11.0
 NEWEST_LANE := 3.13 2.15.0
 LANE_TESTS := tests
-LIBRARY_TESTS := tests -m 'not examples'
 LANE_WHEELHOUSE := $(HOME)/.cache/lightning-multids/wheels/$(if $(TORCH_INDEX),$(notdir $(TORCH_INDEX)),default)
 # A lane's interpreter: .ci/cpython.sh MINOR prints python$(MINOR) from PATH, or CPython built once from
 # Debian's source package and cached outside the checkout.
@@ -80,14 +79,11 @@ test-readme: $(STAMP)
 test-pinned:
 	$(MAKE) lane LANE="$(PINNED_LANE)" LANE_TARGETS="lint typecheck pytest"
 
-# The oldest and newest lanes leave out the examples' full command-line runs (pytest marker `examples`: the digits'
-# distillation, PPO, GradCache and the language models), which the pinned lane and the doc test run: CI's 90 minutes
-# (with them, a fresh-clone .ci/run took 89 min 45 s; BENCHMARKS.md).
 test-oldest:
-	$(MAKE) lane LANE="$(OLDEST_LANE)" LANE_TESTS="$(LIBRARY_TESTS)"
+	$(MAKE) lane LANE="$(OLDEST_LANE)"
 
 test-newest:
-	$(MAKE) lane LANE="$(NEWEST_LANE)" LANE_TESTS="$(LIBRARY_TESTS)"
+	$(MAKE) lane LANE="$(NEWEST_LANE)"
 
 # `make lane LANE="3.13 2.15.0"`: LANE_TARGETS (default: the suite) in .venv-py3.13-torch2.15.0.
 lane:

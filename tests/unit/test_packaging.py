@@ -89,9 +89,7 @@ def assert_admits_only(what: str, specifier: SpecifierSet, tested: list[Version]
 
 def test_make_test_all_runs_the_whole_suite_on_every_lane() -> None:
     commands = dry_run_of_test_all()
-    assert lanes() == whole_suite_runs(commands)
-    pinned = next(line.split() for line in make("-s", "print-lanes").splitlines())
-    assert whole_suite_runs(commands, examples=True) == {tuple(pinned)}, "the pinned lane runs the examples too"
+    assert lanes() == whole_suite_runs(commands, examples=True)
     assert not ignored_failures(commands, (REPO / "Makefile").read_text())
 
 
