@@ -195,6 +195,7 @@ class EngineOptimizer(Optimizer):
         skipped, as Lightning does. A NaN or inf gradient refuses the step on every rank. Whether it
         succeeds or raises, the step ends with the gradients cleared and the engine's own clipping back.
         """
+        _check_step_arguments(self.name, self.optimizer, {k: v for k, v in kwargs.items() if k != "closure"})
         if step_hooks_or_profiler(self):
             return self._stepped_with_hooks(*args, **kwargs)
         loss = self._step(*args, **kwargs)
@@ -203,7 +204,6 @@ class EngineOptimizer(Optimizer):
         return loss
 
     def _step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        _check_step_arguments(self.name, self.optimizer, kwargs)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -155,9 +155,11 @@ def local_path(path: str | os.PathLike[str], what: str) -> str:
         what: where it was given, for the error, e.g. "`trainer.save_checkpoint`'s path".
     """
     text = os.fspath(path)
+    if text.startswith(("file:", "local:")):  # `file:///x`, and `file:/x` as a Path or Lightning writes it
+        return str(fsspec.core.url_to_fs(text)[1])
+    if "://" not in text:  # a path, whatever it holds (`::` too)
+        return text
     protocol = fsspec.utils.get_protocol(text)
-    if protocol in ("file", "local"):
-        return text.removeprefix("file://").removeprefix("local://")
     raise ValueError(
         f"{what} {text!r} is on fsspec's {protocol!r} filesystem, but MultiDeepSpeedStrategy writes and reads "
         "checkpoints as directories on a local or mounted filesystem (each engine's part goes through DeepSpeed, "

@@ -149,6 +149,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self.save_frozen = save_frozen
         self.gathered_timeout = gathered_timeout
         self.broadcast_buffers = broadcast_buffers
+        self._buffers_due = True
+        """Whether the next ``training_step`` starts from rank 0's buffers (not within an accumulation window)."""
         self._arrival: Arrival | None = None
         self.averages = parse_averages(ema)
         self._entries = average_entries(self.averages, self.engine_configs)
@@ -248,6 +250,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.release()  # the last fit's engines, before building new ones
         self._failed = False
+        self._buffers_due = True
         self._show_zero_deprecations()  # a setup after one whose teardown did not run
         self._show_zero_deprecations = hide_zero_deprecations()
         self.accelerator.setup(trainer)
@@ -450,7 +453,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """Run ``training_step`` from rank 0's buffers (``broadcast_buffers``); refuse a module that can never train."""
         module = self.lightning_module
         if module is not None and self.broadcast_buffers and self.world_size > 1 and torch.is_grad_enabled():
-            sync_buffers(module)
+            # As DDP, whose forwards under `no_sync` (accumulating batches) leave the next forward unsynced: the
+            # first batch of each accumulation window.
+            if self._buffers_due:
+                sync_buffers(module)
+            self._buffers_due = not should_accumulate(module.trainer)
         output = super().training_step(*args, **kwargs)
         self._engine_set.check_loss_was_used(output)
         return output
@@ -528,7 +535,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 "`validate`/`test`/`predict` since), or it ended in an exception. Save during or right after "
                 "`trainer.fit(...)`, or with a `ModelCheckpoint` callback."
             )
-        filepath = checkpoints.local_path(filepath, "`trainer.save_checkpoint`'s path")
+        filepath = checkpoints.local_path(self.broadcast(str(filepath)), "`trainer.save_checkpoint`'s path")
         engines, frozen = engine_set.engines, engine_set.frozen_names()
         saved = engine_set.saved_names(self.save_frozen)
         averager = engine_set.averager
@@ -537,7 +544,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         as_weights = set(saved) if "optimizer_states" not in checkpoint else frozen
         checkpoints.save(
             checkpoint,
-            self.broadcast(str(filepath)),
+            filepath,
             engines={n: engines[n] for n in saved if n not in as_weights},
             weights={n: engines[n].module for n in saved if n in as_weights},
             frozen=frozen,
@@ -555,8 +562,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         Every file loads as ``torch.load`` with ``weights_only`` would (``None``: torch's default, tensors and plain
         types only), DeepSpeed's too (see :mod:`lightning_multids._loading`), as under Lightning's own strategies.
         """
-        local = checkpoints.local_path(checkpoint_path, "The checkpoint path")
-        path = checkpoints.resolve(self.broadcast(local))
+        path = checkpoints.resolve(checkpoints.local_path(self.broadcast(str(checkpoint_path)), "The checkpoint path"))
         with loading.reading(path, weights_only):
             lightning = checkpoints.read_lightning_part(path, weights_only)
         self._loading = _Loading(path, lightning[checkpoints.FORMAT_KEY], weights_only)

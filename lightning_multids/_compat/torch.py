@@ -103,5 +103,10 @@ def broadcast_buffers(module: torch.nn.Module) -> None:
     buffers named in ``module._ddp_params_and_buffers_to_ignore`` as it does.
     """
     ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-    buffers = [buffer.detach() for name, buffer in module.named_buffers() if name not in ignore]
-    _sync_params_and_buffers(_get_default_group(), buffers, 250 * 1024 * 1024, 0)
+    buffers = tuple(buffer for name, buffer in module.named_buffers() if name not in ignore)
+    if not buffers:
+        return
+    # As DDP: the write is hidden from autograd, so a graph that saved a buffer (an eval-mode BatchNorm's running
+    # mean) and is backpropagated later does not fail on a changed version.
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers):
+        _sync_params_and_buffers(_get_default_group(), list(buffers), 250 * 1024 * 1024, 0)

@@ -128,12 +128,15 @@ def _run_forked(script: Path, args: tuple[str, ...], environments: list[dict[str
             procs.append(context.Process(target=_rank, args=(str(script), args, env, str(log))))
             procs[-1].start()
         deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        if any(proc.exitcode is None for proc in procs):
+        try:
+            for proc in procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        finally:  # also when pytest's own timeout interrupts the wait: no rank outlives its launch
+            hung = any(proc.exitcode is None for proc in procs)
             for proc in procs:
                 proc.kill()
                 proc.join()
+        if hung:
             raise _timed_out(script, args, timeout, [log.read_text() for log in logs])
         return _checked(script, [proc.exitcode for proc in procs], [log.read_text() for log in logs])
 
@@ -166,7 +169,11 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
         context.set_forkserver_preload(["tests.distributed._preload"])
         _CONTEXT.append(context)
     saved = dict(os.environ)
-    os.environ.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        DS_ACCELERATOR="cpu",  # what DeepSpeed picks at import in the server: its ranks are CPU ranks, GPU or not
+    )
     try:
         _ensure_running()
     finally:

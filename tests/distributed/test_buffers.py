@@ -1,8 +1,8 @@
 """Buffers follow rank 0's, as ``DDPStrategy`` broadcasts them before each training step's forward.
 
 A BatchNorm inside a trained engine: each rank's running statistics after the fit match plain PyTorch replaying
-both ranks on one process, where each step starts every rank from rank 0's statistics (DDP's default,
-``broadcast_buffers=True``) or, with ``broadcast_buffers=False``, from its own.
+both ranks on one process, where each step (each accumulation window's first) starts every rank from rank 0's
+statistics (DDP's default, ``broadcast_buffers=True``) or, with ``broadcast_buffers=False``, from its own.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lightning_multids import MultiDeepSpeedStrategy
 from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
 from tests.distributed.harness import on_ranks
 
-STEPS, PER_RANK = 3, 4
+STEPS, PER_RANK = 4, 4
 Buffers = dict[str, torch.Tensor]
 
 
@@ -41,16 +41,19 @@ def loss_of(body: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor) -
 
 
 class WithBatchNorm(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, manual: bool) -> None:
         super().__init__()
         self.body = make_body()
-        self.automatic_optimization = False
+        self.automatic_optimization = not manual
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        if self.automatic_optimization:
+            return loss_of(self.body, batch)
         opt = self.optimizers()
         opt.zero_grad()
         self.manual_backward(loss_of(self.body, batch))
         opt.step()
+        return None
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.body.parameters(), lr=0.1)
@@ -59,38 +62,51 @@ class WithBatchNorm(pl.LightningModule):
         return sharded_loader(self, make_data(), batch_size=PER_RANK)
 
 
-def buffers_after_fit(stage: int, broadcast: bool) -> Buffers:
-    """On each rank: the body's buffers when the fit ends."""
+def buffers_after_fit(stage: int, broadcast: bool, accumulate: int) -> Buffers:
+    """On each rank: the body's buffers when the fit ends (automatic optimization where ``accumulate`` > 1)."""
     at_end = AtFitEnd(lambda strategy: {k: v.clone() for k, v in strategy.lightning_module.body.named_buffers()})
     strategy = MultiDeepSpeedStrategy(stage=stage, broadcast_buffers=broadcast)
-    trainer = cpu_trainer(strategy, callbacks=[at_end], use_distributed_sampler=False, enable_checkpointing=False)
-    trainer.fit(WithBatchNorm())
+    trainer = cpu_trainer(
+        strategy,
+        callbacks=[at_end],
+        use_distributed_sampler=False,
+        enable_checkpointing=False,
+        accumulate_grad_batches=accumulate,
+    )
+    trainer.fit(WithBatchNorm(manual=accumulate == 1))
     return at_end.value
 
 
-def reference(broadcast: bool) -> list[Buffers]:
-    """Plain PyTorch, one process: each rank's buffers after the fit, its forward run from its own buffers."""
+def reference(broadcast: bool, accumulate: int) -> list[Buffers]:
+    """Plain PyTorch, one process: each rank's buffers after the fit, its forward run from its own buffers.
+
+    With ``broadcast``, rank 1 starts from rank 0's buffers at the first batch of each accumulation window, as DDP
+    (whose forwards under ``no_sync`` leave the next one unsynced).
+    """
     body = make_body()
     optimizer = torch.optim.SGD(body.parameters(), lr=0.1)
     data = make_data()
     own = [{k: v.clone() for k, v in body.named_buffers()} for _ in range(2)]
     for step in range(STEPS):
-        if broadcast:
+        if broadcast and step % accumulate == 0:
             own[1] = {k: v.clone() for k, v in own[0].items()}
-        optimizer.zero_grad()
         losses = []
         for rank in range(2):  # BatchNorm updates the buffers it is given in place
             batch = data[rank::2][step * PER_RANK : (step + 1) * PER_RANK]
             losses.append(loss_of(lambda x, rank=rank: functional_call(body, own[rank], (x,)), batch))
-        (sum(losses) / 2).backward()
-        optimizer.step()
+        (sum(losses) / 2 / accumulate).backward()
+        if (step + 1) % accumulate == 0:
+            optimizer.step()
+            optimizer.zero_grad()
     return own
 
 
-@pytest.mark.parametrize(("stage", "broadcast"), [(0, True), (3, True), (2, False)])
-def test_each_rank_runs_from_rank_zeros_buffers_as_under_ddp(stage: int, broadcast: bool) -> None:
-    results, expected = on_ranks(buffers_after_fit, stage, broadcast), reference(broadcast)
-    other = reference(not broadcast)
+@pytest.mark.parametrize(
+    ("stage", "broadcast", "accumulate"), [(0, True, 1), (3, True, 1), (2, False, 1), (2, True, 2)]
+)
+def test_each_rank_runs_from_rank_zeros_buffers_as_under_ddp(stage: int, broadcast: bool, accumulate: int) -> None:
+    results = on_ranks(buffers_after_fit, stage, broadcast, accumulate)
+    expected, other = reference(broadcast, accumulate), reference(not broadcast, accumulate)
     assert (other[1]["1.running_mean"] - expected[1]["1.running_mean"]).abs().max() > 1e-2  # the test can tell
     for rank in range(2):
         assert results[rank].keys() == expected[rank].keys()

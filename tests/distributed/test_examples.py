@@ -81,7 +81,7 @@ def on_ranks(workdir: Path, *args: str, world_size: int = 2) -> str:
     For the examples' runs: the command as a user runs it, less Lightning's launcher and a new interpreter per
     rank, which :func:`lightning_multids` and the GAN's tests keep (with what the command must not print).
     """
-    output = "".join(run_ranks(CLI_RANK, str(workdir), *args, world_size=world_size, timeout=600))
+    output = "".join(run_ranks(CLI_RANK, str(workdir), *args, world_size=world_size, timeout=240))
     for avoidable in AVOIDABLE:
         assert avoidable not in output, f"lightning-multids {' '.join(args)} printed {avoidable!r}:\n{output[-6000:]}"
     return output

@@ -121,3 +121,13 @@ def test_unfinished_and_unreadable_files_are_left_to_torch_load(checkpoint: Path
     (checkpoint / "truncated.pt").write_bytes((checkpoint / "lightning.pt").read_bytes()[:40])
     with loading.reading(checkpoint, None), pytest.raises(RuntimeError):  # torch.load's own error, truncated
         torch.load(checkpoint / "truncated.pt", weights_only=False)
+
+
+def test_checkpoint_paths_are_local_or_refused() -> None:
+    from lightning_multids.checkpoint import local_path
+
+    assert local_path("file:///tmp/run/last.ckpt", "x") == "/tmp/run/last.ckpt"
+    assert local_path(Path("file:///tmp/run"), "x") == "/tmp/run"  # a Path keeps one slash: `file:/tmp/run`
+    assert local_path("runs/a::b/last.ckpt", "x") == "runs/a::b/last.ckpt"  # a relative path, left as given
+    with pytest.raises(ValueError, match=r"^The path 's3://bucket/last.ckpt' is on fsspec's 's3' filesystem.*put\("):
+        local_path("s3://bucket/last.ckpt", "The path")
