@@ -34,7 +34,6 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
-from lightning_multids._compat import torch as torch_compat
 from lightning_multids._compat.lightning import sync_module_states
 from lightning_multids._config import engine_config, frozen_config, merge, sized_buckets, zero_stage
 from lightning_multids._data import per_process_batch_size, train_loaders
@@ -354,16 +353,6 @@ def unpartition(module: nn.Module) -> None:
                         data = param.data.to(dtype) if param.is_floating_point() else param.data
                         whole[param] = nn.Parameter(data.clone(), requires_grad=param.requires_grad)
                     setattr(child, name, whole[param])
-
-
-def sync_buffers(module: nn.Module) -> None:
-    """Broadcast rank 0's buffers (BatchNorm's statistics, counters) to every rank; a collective call.
-
-    As ``DDPStrategy``'s ``DistributedDataParallel`` does before each training step's forward by default
-    (``broadcast_buffers=True``), honouring ``module._ddp_params_and_buffers_to_ignore`` as it does. Buffers are
-    whole on every rank at every ZeRO stage, so each rank then computes from rank 0's.
-    """
-    torch_compat.broadcast_buffers(module)
 
 
 def sync_replicated_states(module: nn.Module) -> None:

@@ -31,6 +31,7 @@ from lightning_multids import _loading as loading
 from lightning_multids import checkpoint as checkpoints
 from lightning_multids._blocks import Arrival, gathered, no_sync, offloaded
 from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._compat import torch as torch_compat
 from lightning_multids._compat.lightning import (
     apply_layer_sync,
     forget_requested,
@@ -51,7 +52,6 @@ from lightning_multids._lifecycle import (
     build_evaluation_engines,
     is_partitioned,
     release_engines,
-    sync_buffers,
     sync_replicated_states,
     zero3_init,
 )
@@ -456,7 +456,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             # As DDP, whose forwards under `no_sync` (accumulating batches) leave the next forward unsynced: the
             # first batch of each accumulation window.
             if self._buffers_due:
-                sync_buffers(module)
+                torch_compat.broadcast_buffers(module)
             self._buffers_due = not should_accumulate(module.trainer)
         output = super().training_step(*args, **kwargs)
         self._engine_set.check_loss_was_used(output)

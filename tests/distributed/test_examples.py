@@ -4,8 +4,8 @@ Each test copies ``configs/`` into a temporary directory and runs the command th
 repository root, so every output (logs, checkpoints) lands in the temporary directory. The GAN's tests, which check
 the command itself (what it prints, resuming, errors shown once), run the console script, and Lightning's own
 launcher starts the second process. The examples' own runs (marked ``examples``; ``make test-quick`` leaves them
-out) call the command's entry point on ranks forked by the harness (:func:`on_ranks`): the same code, without a new
-interpreter per rank.
+out) call the command's entry point on ranks forked by the harness (:func:`on_forked_ranks`): the same code,
+without a new interpreter per rank.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def lightning_multids(workdir: Path, *args: str, timeout: float = 300, returncod
     return output
 
 
-def on_ranks(workdir: Path, *args: str, world_size: int = 2) -> str:
+def on_forked_ranks(workdir: Path, *args: str, world_size: int = 2) -> str:
     """Run the command's entry point in ``workdir`` on ranks forked by the harness; every rank's output, in order.
 
     For the examples' runs: the command as a user runs it, less Lightning's launcher and a new interpreter per
@@ -111,19 +111,19 @@ def test_gan_config_trains_and_logs_curves_kid_and_a_sample_grid(workdir: Path) 
 @pytest.mark.examples
 def test_distillation_configs_chain_teacher_student_and_test(workdir: Path) -> None:
     distill = workdir / "outputs" / "distill"
-    on_ranks(workdir, "fit", "--config", "configs/distill_teacher.yaml", *SHORT)
+    on_forked_ranks(workdir, "fit", "--config", "configs/distill_teacher.yaml", *SHORT)
     assert (distill / "teacher" / "checkpoints" / "teacher.ckpt" / "lightning.pt").is_file()
-    output = on_ranks(workdir, "fit", "--config", "configs/distill.yaml", *SHORT)
+    output = on_forked_ranks(workdir, "fit", "--config", "configs/distill.yaml", *SHORT)
     assert "Engines (ZeRO stage): {'student': 2, 'teacher': 3}" in output
     tags = events(workdir / "outputs" / "distill" / "distilled" / "version_0").Tags()["scalars"]
     assert {"train/loss", "val/accuracy", "val/teacher_accuracy"} <= set(tags), tags
     ckpt = str(distill / "distilled" / "checkpoints" / "distilled.ckpt")
-    output = on_ranks(
+    output = on_forked_ranks(
         workdir, "test", "--config", "configs/distill.yaml", f"--ckpt_path={ckpt}", "--trainer.devices=1", world_size=1
     )
     assert "test/accuracy" in output
     exported = workdir / "exported"
-    on_ranks(workdir, "export", ckpt, str(exported), world_size=1)
+    on_forked_ranks(workdir, "export", ckpt, str(exported), world_size=1)
     student = torch.load(exported / "student.pt")
     assert student["net.0.weight"].shape == (16, 64)
 
@@ -139,13 +139,13 @@ def test_distillation_before_its_teacher_says_to_train_the_teacher_first(workdir
 
 @pytest.mark.examples
 def test_student_alone_config_trains(workdir: Path) -> None:
-    on_ranks(workdir, "fit", "--config", "configs/distill_student.yaml", *SHORT)
+    on_forked_ranks(workdir, "fit", "--config", "configs/distill_student.yaml", *SHORT)
     assert (workdir / "outputs" / "distill" / "student" / "checkpoints" / "student.ckpt" / "lightning.pt").is_file()
 
 
 @pytest.mark.examples
 def test_rlhf_config_trains_four_engines(workdir: Path) -> None:
-    output = on_ranks(workdir, "fit", "--config", "configs/rlhf.yaml", *SHORT)
+    output = on_forked_ranks(workdir, "fit", "--config", "configs/rlhf.yaml", *SHORT)
     assert "Engines (ZeRO stage): {'actor': 3, 'critic': 1, 'reference': 3, 'reward': 3}" in output
     tags = events(workdir / "outputs" / "rlhf" / "rlhf" / "version_0").Tags()["scalars"]
     assert {"train/reward", "train/kl", "train/actor_loss", "train/critic_loss", "val/reward"} <= set(tags), tags
@@ -153,7 +153,7 @@ def test_rlhf_config_trains_four_engines(workdir: Path) -> None:
 
 @pytest.mark.examples
 def test_contrastive_config_trains_with_grad_cache(workdir: Path) -> None:
-    output = on_ranks(workdir, "fit", "--config", "configs/contrastive.yaml", *SHORT)
+    output = on_forked_ranks(workdir, "fit", "--config", "configs/contrastive.yaml", *SHORT)
     assert "Engines (ZeRO stage): {'image_encoder': 2, 'profile_encoder': 3}" in output
     tags = events(workdir / "outputs" / "contrastive" / "contrastive" / "version_0").Tags()["scalars"]
     assert {"train/loss", "val/recall@1"} <= set(tags), tags
@@ -161,12 +161,12 @@ def test_contrastive_config_trains_with_grad_cache(workdir: Path) -> None:
 
 @pytest.mark.examples
 def test_language_model_configs_chain_teacher_students_and_dpo(workdir: Path) -> None:
-    on_ranks(workdir, "fit", "--config", "configs/lm_distill_teacher.yaml", *SHORT)
-    output = on_ranks(workdir, "fit", "--config", "configs/lm_distill.yaml", *SHORT)
+    on_forked_ranks(workdir, "fit", "--config", "configs/lm_distill_teacher.yaml", *SHORT)
+    output = on_forked_ranks(workdir, "fit", "--config", "configs/lm_distill.yaml", *SHORT)
     assert "Engines (ZeRO stage): {'student': 2, 'alone': 2, 'teacher': 3}" in output
     assert re.search(r"^Held-out perplexity: +teacher [\d.]+, student [\d.]+, alone [\d.]+ \(per byte\)$", output, re.M)
     assert re.search(r"^Generated \(teacher\): +'Return the ", output, re.M)
-    output = on_ranks(workdir, "fit", "--config", "configs/dpo.yaml", *SHORT)
+    output = on_forked_ranks(workdir, "fit", "--config", "configs/dpo.yaml", *SHORT)
     assert "Engines (ZeRO stage): {'policy': 2, 'reference': 3}" in output
     assert re.search(r"^Held-out preference: +accuracy [\d.]+, reward margin -?[\d.]+$", output, re.M)
     tags = events(workdir / "outputs" / "lm" / "dpo" / "version_0").Tags()["scalars"]
@@ -177,10 +177,10 @@ def test_language_model_configs_chain_teacher_students_and_dpo(workdir: Path) ->
     shutil.copytree(workdir / "outputs" / "lm" / "teacher", again / "outputs" / "lm" / "teacher")
     shutil.copytree(workdir / "outputs" / "lm" / "distilled" / "checkpoints" / "distilled.ckpt", again / "start.ckpt")
     lora = ["--model.student_checkpoint=start.ckpt", "--model.lora_rank=4"]
-    output = on_ranks(again, "fit", "--config", "configs/lm_distill.yaml", *SHORT, *lora)
+    output = on_forked_ranks(again, "fit", "--config", "configs/lm_distill.yaml", *SHORT, *lora)
     assert re.search(r"^Held-out perplexity: +teacher [\d.]+, student [\d.]+, alone [\d.]+ \(per byte\)$", output, re.M)
     ckpt = str(again / "outputs" / "lm" / "distilled" / "checkpoints" / "distilled.ckpt")
-    on_ranks(again, "export", ckpt, str(again / "exported"), "--format", "hf", world_size=1)
+    on_forked_ranks(again, "export", ckpt, str(again / "exported"), "--format", "hf", world_size=1)
     assert (again / "exported" / "student" / "adapter_config.json").is_file()  # an adapter, not a whole model
 
 
