@@ -164,7 +164,9 @@ class EngineSet:
         Raises if ``loss`` reaches no trainable engine (it would train nothing), after the backward; with several
         ranks, only if it reaches none on any rank (the ranks agree after each backward, see
         :func:`~lightning_multids._routing.agree`). An exception in the backward leaves the engines it reached
-        clean, without their gradients of this step.
+        clean, without their gradients of this step. A body that runs no backward (a ``LightningModule.backward``
+        override that skips a batch) leaves the engines without gradients, so the next step changes nothing, as
+        under DDP.
         """
         self._refuse_unfrozen()
         if loss.grad_fn is None:
@@ -192,7 +194,7 @@ class EngineSet:
                 self._explain_released_weights(error)
                 raise
         self._release_frozen_leftovers()
-        if not route.entered:
+        if not route.entered and route.ran:  # no backward ran (a skipping `backward` override): no gradients, as DDP
             self._refuse_untrained()
         self.backward_calls += 1
         self._mark_gradients(route.entered, True)

@@ -81,6 +81,8 @@ class Route:
     """Each engine's gradient factor (fp16 engines at different loss scales, :func:`precision.loss_scaling`)."""
     entered: dict[str, _Phases] = field(default_factory=dict)
     root_task: int = -1
+    ran: bool = False
+    """Whether the body ran a backward through the loss (a ``LightningModule.backward`` override may skip it)."""
 
     def enter(self, name: str) -> _Phases:
         """Run ``name``'s prologue and mark it as inside a backward (``ds_compat.enter_backward``)."""
@@ -228,7 +230,7 @@ class Router:
         route = Route(engines, factors or {}, self.sizes)
 
         def record_root(grad: torch.Tensor) -> torch.Tensor:
-            route.root_task = current_graph_task_id()
+            route.root_task, route.ran = current_graph_task_id(), True
             return grad
 
         handle = loss.register_hook(record_root) if loss.requires_grad else None
