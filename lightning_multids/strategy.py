@@ -231,6 +231,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._unset_extensions_dir()  # a start after one whose teardown did not run
         self._unset_extensions_dir = keep_extensions_in_environment()
         ds_accelerator.follow(self.root_device.type)
+        ds_compat.forget_destroyed_groups()  # a fit after `torch.distributed.destroy_process_group()`
         super().setup_distributed()
         deepspeed.init_distributed(dist_backend=process_group_backend(self), auto_mpi_discovery=False, verbose=False)
 

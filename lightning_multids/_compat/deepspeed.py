@@ -45,6 +45,7 @@ from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.zero.utils import is_zero_param
+from deepspeed.utils import groups as ds_groups
 from deepspeed.utils import safe_get_full_grad
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -155,6 +156,9 @@ def check_deepspeed(version: str | None = None) -> None:
         for name in names:
             if not hasattr(owner, name):
                 _refuse_missing(f"{owner.__name__}.{name}")
+    for name in ("_WORLD_GROUP", "_release_process_group_references"):
+        if not hasattr(ds_groups, name):
+            _refuse_missing(f"deepspeed.utils.groups.{name}")
 
 
 def check_engine(name: str, engine: DeepSpeedEngine) -> None:
@@ -175,6 +179,23 @@ def _refuse_missing(what: str, engine: str | None = None) -> None:
         f"MultiDeepSpeedStrategy uses DeepSpeed's `{what}`{where}, which DeepSpeed {deepspeed.__version__} does not "
         f"have. It supports DeepSpeed {SUPPORTED_DEEPSPEED}: run `{_INSTALL}`."
     )
+
+
+def forget_destroyed_groups() -> None:
+    """Drop DeepSpeed's cached process groups when they belong to a ``torch.distributed`` world since destroyed.
+
+    DeepSpeed caches its groups (``groups._WORLD_GROUP``, the data-parallel and expert groups, its device mesh) and
+    releases them in its own ``deepspeed.comm.destroy_process_group``, not in torch's. After
+    ``torch.distributed.destroy_process_group()`` (a notebook or a sweep between fits, Lightning's test fixtures)
+    the next engine would use a destroyed group; torch no longer knows it (``get_process_group_ranks`` has no entry).
+    """
+    world = ds_groups._WORLD_GROUP
+    if world is None:
+        return
+    try:
+        torch.distributed.get_process_group_ranks(world)
+    except KeyError:  # not a group of the running world
+        ds_groups._release_process_group_references(group=None)
 
 
 def torch_optimizer(engine: DeepSpeedEngine) -> Optimizer:
