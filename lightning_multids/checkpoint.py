@@ -59,6 +59,11 @@ ENGINE_DIR = "engines"
 TAG = "state"
 UNIVERSAL_TAG = "universal"
 WEIGHTS_FILE = "weights.pt"
+PLAIN = "plain"
+"""The key of the plain (non-engine) submodules' entries in :func:`consolidated_state_dicts`."""
+LIGHTNING_EXPORT = "model.ckpt"
+"""The file ``export(..., format="lightning")`` writes."""
+EXPORT_FORMATS = ("pt", "hf", "lightning")
 EXPORT_OPT_OUT = "export it with `lightning-multids export --unsafe-load` (`export(..., weights_only=False)`)"
 
 
@@ -416,7 +421,7 @@ def _consolidated(path: Path, weights_only: bool | None) -> dict[str, dict[str, 
             with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints 4 lines per engine as it merges
                 state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=TAG)
         result[name] = {key: value.float() if value.is_floating_point() else value for key, value in state.items()}
-    result["plain"] = dict(lightning["state_dict"])
+    result[PLAIN] = dict(lightning["state_dict"])
     return result
 
 
@@ -449,6 +454,9 @@ def export(
     """Write each engine of the checkpoint at ``path`` into ``out``: ``NAME.pt``, or a ``save_pretrained`` ``NAME/``.
 
     ``NAME.pt`` is a ``state_dict``; with ``format="hf"`` each engine holding a Hugging Face model gets a folder.
+    With ``format="lightning"`` the whole checkpoint becomes one file, ``OUT/model.ckpt``, that
+    ``Model.load_from_checkpoint("OUT/model.ckpt")`` loads as it loads a ``DDPStrategy`` checkpoint: Lightning's
+    state (hyperparameters included) and every weight keyed as in the LightningModule, without optimizer state.
 
     Load a ``NAME.pt`` into the plain module with ``module.load_state_dict(torch.load("OUT/generator.pt"))``; a
     ``NAME/`` folder with ``AutoModel...from_pretrained("OUT/actor")``, or for a PEFT model with
@@ -461,11 +469,15 @@ def export(
     plain types only; the command line's ``--unsafe-load`` is ``False``), and unless it is ``False`` a Hugging Face
     model's class is imported only from transformers or a module already imported.
     """
-    if format not in ("pt", "hf"):
-        raise ValueError(f"export format {format!r}: choose 'pt' (state dicts) or 'hf' (save_pretrained folders).")
+    if format not in EXPORT_FORMATS:
+        raise ValueError(
+            f"export format {format!r}: choose 'pt' (state dicts), 'hf' (save_pretrained folders) or 'lightning' "
+            "(one file for `Model.load_from_checkpoint`)."
+        )
     path, out = resolve(path), Path(out)
     with loading.reading(path, weights_only, EXPORT_OPT_OUT):
-        engines = read_lightning_part(path, weights_only)[FORMAT_KEY]["engines"]
+        lightning = read_lightning_part(path, weights_only)
+        engines = lightning[FORMAT_KEY]["engines"]
         described = {name for name in engines if (path / ENGINE_DIR / name / huggingface.DESCRIPTION_DIR).is_dir()}
         if format == "hf" and not described:
             raise ValueError(
@@ -474,6 +486,10 @@ def export(
             )
         states = _consolidated(path, weights_only)
     out.mkdir(parents=True, exist_ok=True)
+    if format == "lightning":
+        target = out / LIGHTNING_EXPORT
+        torch.save(_one_file(lightning, states, dtype), target)
+        return [target]
     written = []
     trusted = not loading.restricted(weights_only)
     for name, state in states.items():
@@ -486,6 +502,18 @@ def export(
             torch.save({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, target)
         written.append(target)
     return written
+
+
+def _one_file(lightning: Mapping[str, Any], states: Mapping[str, dict[str, torch.Tensor]], dtype: torch.dtype) -> dict:
+    """Lightning's part with every engine's weights in its ``state_dict`` (keyed as in the module), one checkpoint."""
+    merged = dict(states[PLAIN])
+    for name, state in states.items():
+        if name != PLAIN:
+            merged.update({f"{name}.{key}": value for key, value in state.items()})
+    kept = {key: value for key, value in lightning.items() if key != FORMAT_KEY}
+    kept["state_dict"] = {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()}
+    kept["optimizer_states"] = []  # each engine's optimizer state stays in the checkpoint directory
+    return kept
 
 
 def plain_state_dict(module: nn.Module, engine_names: set[str]) -> dict[str, Any]:

@@ -10,8 +10,9 @@ selectable under ``trainer.strategy`` by class path (with ``init_args``) or by i
 new ``version_N`` folder, so Lightning alone would look only in the new, empty one). An error stops every
 rank, but only rank 0 prints its traceback; the others have logged it in one line.
 
-``lightning-multids export CKPT OUT [--dtype bf16] [--format hf [--merge-lora]] [--unsafe-load]`` writes one plain
-``state_dict`` per engine, or a ``save_pretrained`` folder per engine holding a Hugging Face model. It loads tensors
+``lightning-multids export CKPT OUT [--dtype bf16] [--format hf [--merge-lora] | lightning] [--unsafe-load]`` writes
+one plain ``state_dict`` per engine, a ``save_pretrained`` folder per engine holding a Hugging Face model, or one
+file that ``Model.load_from_checkpoint`` loads. It loads tensors
 and plain types only unless ``--unsafe-load`` says the checkpoint is trusted, as ``fit --weights_only false`` does.
 """
 
@@ -32,7 +33,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_multids  # noqa: F401  (registers the strategy name `multi_deepspeed`)
-from lightning_multids.checkpoint import LIGHTNING_FILE, export
+from lightning_multids.checkpoint import EXPORT_FORMATS, LIGHTNING_FILE, export
 
 __all__ = ["MultiDeepSpeedCLI", "main"]
 
@@ -128,9 +129,10 @@ def export_main(argv: Sequence[str]) -> None:
     )
     parser.add_argument(
         "--format",
-        choices=["pt", "hf"],
+        choices=list(EXPORT_FORMATS),
         default="pt",
-        help="pt: NAME.pt state dicts (default); hf: a save_pretrained folder NAME/ per Hugging Face engine",
+        help="pt: NAME.pt state dicts (default); hf: a save_pretrained folder NAME/ per Hugging Face engine; "
+        "lightning: one file, model.ckpt, for Model.load_from_checkpoint",
     )
     parser.add_argument(
         "--merge-lora", action="store_true", help="with --format hf: merge PEFT adapters into their base model"

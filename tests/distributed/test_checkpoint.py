@@ -572,6 +572,20 @@ def test_export_gives_plain_state_dicts_equal_to_the_live_weights(trained: Path,
             assert torch.equal(value, live[f"{prefix}.{key}"]), f"{prefix}.{key}"
 
 
+def test_export_as_one_lightning_file_loads_with_load_from_checkpoint(trained: Path, tmp_path: Path) -> None:
+    """``Model.load_from_checkpoint`` takes a file; ``export(..., format="lightning")`` makes one of the directory."""
+    from lightning_multids.checkpoint import export
+
+    last = trained / "ckpts" / "last.ckpt"
+    with pytest.raises(IsADirectoryError):  # Lightning's own, as under DeepSpeedStrategy: a checkpoint is a directory
+        GAN.load_from_checkpoint(last)
+    assert export(last, tmp_path, format="lightning") == [tmp_path / "model.ckpt"]
+    loaded, live = GAN.load_from_checkpoint(tmp_path / "model.ckpt"), torch.load(trained / "live.pt")
+    assert loaded.state_dict().keys() == live.keys()  # strict loading also refused a missing or unexpected key
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, live[key]), key
+
+
 def test_export_command_line(trained: Path, tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -608,7 +622,7 @@ def test_export_merge_lora_needs_format_hf(trained: Path, tmp_path: Path, capsys
     with pytest.raises(SystemExit):
         main(["export", str(trained / "ckpts" / "last.ckpt"), str(tmp_path), "--merge-lora"])
     assert "--merge-lora needs --format hf" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="choose 'pt' .* or 'hf'"):
+    with pytest.raises(ValueError, match="choose 'pt' .*, 'hf' .* or 'lightning'"):
         export(trained / "ckpts" / "last.ckpt", tmp_path, format="safetensors")
 
 
