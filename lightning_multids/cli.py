@@ -33,7 +33,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_multids  # noqa: F401  (registers the strategy name `multi_deepspeed`)
-from lightning_multids.checkpoint import EXPORT_FORMATS, LIGHTNING_FILE, export
+from lightning_multids.checkpoint import EXPORT_FORMATS, LIGHTNING_FILE, export, read_lightning_part
 
 __all__ = ["MultiDeepSpeedCLI", "main"]
 
@@ -90,7 +90,29 @@ class MultiDeepSpeedCLI(LightningCLI):
             f"--ckpt_path last: {'no' if found is None else 'the newest'} last checkpoint under "
             f"{root}/*/checkpoints, {start}"
         )
+        if found is not None and self.subcommand == "fit":
+            self._refuse_finished(found)
         arguments["ckpt_path"] = None if found is None else str(found)
+
+    def _refuse_finished(self, found: Path) -> None:
+        """Stop, before any rank starts or any folder is made, a resume whose checkpoint is past ``max_epochs``.
+
+        Lightning would refuse it once the ranks had loaded the checkpoint, with a traceback, after the new run's
+        version folder was made. A checkpoint that cannot be read here is left to the fit, which reports it.
+        """
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is None or max_epochs < 0:
+            return
+        try:
+            epoch = read_lightning_part(found, weights_only=None).get("epoch")
+        except (OSError, ValueError, pickle.UnpicklingError):
+            return
+        if isinstance(epoch, int) and epoch >= max_epochs:
+            self.parser.error(
+                f"--ckpt_path last resumes {found}, saved in epoch {epoch} (counting from 0), and "
+                f"--trainer.max_epochs={max_epochs} ends training before it. Give --trainer.max_epochs above "
+                f"{epoch} to train on from it, or leave out --ckpt_path to start a new run."
+            )
 
 
 _LAST = re.compile(

@@ -193,6 +193,13 @@ def test_ckpt_path_last_resumes_the_newest_run_of_the_logger(workdir: Path) -> N
     output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *SHORT, "--ckpt_path", "last")
     assert f"last checkpoint under outputs/gan/gan/*/checkpoints, resuming from {first}" in output
     assert f"Restoring states from the checkpoint path at {first}" in output  # Lightning's own line
+    # Past the newest checkpoint's epoch (a demo of 40 epochs resumed with max_epochs=8): one line, no new folder.
+    versions = sorted(p.name for p in (workdir / "outputs" / "gan" / "gan").iterdir())
+    past = [*SHORT, "--trainer.max_epochs=0", "--ckpt_path", "last"]
+    output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *past, returncode=2)
+    assert "saved in epoch 0 (counting from 0), and --trainer.max_epochs=0 ends training before it" in output, output
+    assert "Traceback" not in output
+    assert sorted(p.name for p in (workdir / "outputs" / "gan" / "gan").iterdir()) == versions
 
 
 def test_an_error_is_shown_once_with_every_ranks_line(workdir: Path) -> None:
