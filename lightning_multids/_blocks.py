@@ -22,7 +22,7 @@ engine name that does not exist is a ``ValueError``, as for every other argument
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -172,6 +172,15 @@ class Arrival:
         torch.distributed.destroy_process_group(self.group)
 
 
+def refuse_outside_run(call: str, engines: Collection[str], run: str = "`Trainer.fit`") -> None:
+    """Raise a ``RuntimeError`` (a call at the wrong time) where there are no ``engines``: before or after ``run``.
+
+    A wrong name while the engines exist is a ``ValueError`` instead, raised by each call with the names to choose.
+    """
+    if not engines:
+        raise RuntimeError(f"`{call}` needs the engines, which exist only during {run}.")
+
+
 @contextmanager
 def gathered(
     name: str, records: Mapping[str, EngineRecord], arrive: Callable[[str], None] | None = None
@@ -184,9 +193,11 @@ def gathered(
     :class:`Arrival`), and is called before the gathering.
 
     Raises:
+        RuntimeError: there are no engines (outside fit, validate, test and predict).
         ValueError: there is no engine ``name``.
         BlockError: it is inside a ``gathered`` or ``offloaded`` block already.
     """
+    refuse_outside_run(f"gathered({name!r})", records, "`Trainer.fit`, `validate`, `test` and `predict`")
     if name not in records:
         raise ValueError(
             f"`gathered({name!r})`: there is no engine {name!r} now (engines: {sorted(records)}). Engines exist "
@@ -241,6 +252,7 @@ def offloaded(names: tuple[str, ...], records: Mapping[str, EngineRecord]) -> It
 
 def _choose(names: tuple[str, ...], records: Mapping[str, EngineRecord]) -> list[EngineRecord]:
     trainable = sorted(name for name, record in records.items() if record.optimizer is not None)
+    refuse_outside_run(f"offloaded({', '.join(map(repr, names))})", trainable)
     if not names:
         raise ValueError(f"`offloaded()` needs the names of the engines to offload, e.g. {trainable}.")
     chosen = []

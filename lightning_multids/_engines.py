@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_multids._blocks import NO_SYNC
+from lightning_multids._blocks import NO_SYNC, refuse_outside_run
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._config import merge
 from lightning_multids._discovery import UNWALKED, reached_engines
@@ -131,6 +131,7 @@ class EngineSet:
     def full_gradients(self, name: str) -> dict[str, torch.Tensor]:
         """Engine ``name``'s whole gradients, averaged over ranks (``gradients.full_gradients``)."""
         trainable = self.trainable_engines
+        refuse_outside_run(f"full_gradients({name!r})", trainable)
         if name not in trainable:
             raise ValueError(
                 f"`full_gradients({name!r})`: there is no trainable engine {name!r} now. Trainable engines exist "
@@ -253,8 +254,7 @@ class EngineSet:
         """
         what = "no_sync"
         trainable = [optimizer.name for optimizer in self.optimizers]
-        if not trainable:
-            raise RuntimeError(f"`{what}` needs the engines, which exist only during `Trainer.fit`.")
+        refuse_outside_run(what, trainable)
         unknown = [name for name in names if name not in trainable]
         if unknown:
             frozen = sorted(set(unknown) & self.frozen_names())

@@ -68,7 +68,11 @@ class EnginePrecision(Precision):
             return
         if isinstance(optimizer, LightningOptimizer):  # from self.optimizers()
             optimizer = optimizer.optimizer
-        assert isinstance(optimizer, EngineOptimizer)
+        if not isinstance(optimizer, EngineOptimizer):
+            raise TypeError(
+                f"`clip_gradients` got {type(optimizer).__name__}, not an optimizer of this strategy's engines: pass "
+                "one from `self.optimizers()`, which DeepSpeed steps and clips."
+            )
         algorithm = GradClipAlgorithmType(gradient_clip_algorithm)
         if algorithm != GradClipAlgorithmType.NORM:
             raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -93,6 +94,21 @@ def test_no_sync_selects_trainable_engines_and_refuses_the_rest() -> None:
     assert not engines.records["doc"].blocks
     with pytest.raises(RuntimeError, match="exist only during `Trainer.fit`"):
         EngineSet().for_no_sync(())
+
+
+def test_every_block_and_gradient_read_outside_fit_is_the_same_runtime_error() -> None:
+    """A call at the wrong time is a ``RuntimeError`` whichever call it is; a wrong name during fit a ``ValueError``."""
+    from lightning_multids._blocks import _choose, gathered
+
+    calls = {
+        "no_sync": lambda: EngineSet().for_no_sync(()),
+        "full_gradients('g')": lambda: EngineSet().full_gradients("g"),
+        "offloaded('g')": lambda: _choose(("g",), {}),
+        "gathered('g')": lambda: gathered("g", {}).__enter__(),
+    }
+    for call, attempt in calls.items():
+        with pytest.raises(RuntimeError, match=rf"^`{re.escape(call)}` needs the engines, which exist only during"):
+            attempt()
 
 
 def test_an_encoder_without_an_engine_is_refused() -> None:

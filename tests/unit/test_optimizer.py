@@ -42,6 +42,14 @@ def test_clipping_by_value_in_manual_optimization_is_refused() -> None:
         EnginePrecision().clip_gradients(optimizer, 0.5, "value")  # type: ignore[arg-type]
 
 
+def test_clipping_an_optimizer_that_is_not_an_engines_is_a_type_error_naming_the_fix() -> None:
+    from lightning_multids._precision import EnginePrecision
+
+    plain = sgd(nn.Parameter(torch.ones(1)))
+    with pytest.raises(TypeError, match=r"got SGD, not an optimizer of this strategy's engines.*self.optimizers\(\)"):
+        EnginePrecision().clip_gradients(plain, 0.5)  # type: ignore[arg-type]
+
+
 def test_repr_names_the_engine_and_shows_the_optimizer_as_torch_does() -> None:
     from lightning_multids._optimizer import EngineOptimizer
 
