@@ -33,7 +33,14 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_multids  # noqa: F401  (registers the strategy name `multi_deepspeed`)
-from lightning_multids.checkpoint import EXPORT_FORMATS, LIGHTNING_FILE, export, read_lightning_part
+from lightning_multids.checkpoint import (
+    EXPORT_FORMATS,
+    LIGHTNING_EXPORT,
+    LIGHTNING_FILE,
+    PLAIN,
+    export,
+    read_lightning_part,
+)
 
 __all__ = ["MultiDeepSpeedCLI", "main"]
 
@@ -180,7 +187,24 @@ def export_main(argv: Sequence[str]) -> None:
     except (ValueError, OSError, pickle.UnpicklingError) as error:  # the message says which path, and what to do
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     for path in paths:
-        print(path)
+        print(f"{path}  {_loading_line(path)}")
+
+
+def _loading_line(path: Path) -> str:
+    """What an exported file or folder holds, and the line that loads it."""
+    if path.name == LIGHTNING_EXPORT:
+        return f'the whole LightningModule, without optimizer state: Model.load_from_checkpoint("{path}")'
+    if path.is_dir():
+        return (
+            f'a save_pretrained folder: AutoModel...from_pretrained("{path}"), or for an adapter '
+            f'PeftModel.from_pretrained(base, "{path}")'
+        )
+    if path.stem == PLAIN:
+        return (
+            "the entries of submodules without an engine, keyed as in the LightningModule: "
+            f'model.load_state_dict(torch.load("{path}"), strict=False)'
+        )
+    return f'the state_dict of submodule {path.stem}: model.{path.stem}.load_state_dict(torch.load("{path}"))'
 
 
 def main(argv: Sequence[str] | None = None) -> None:
