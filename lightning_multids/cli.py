@@ -25,10 +25,11 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
@@ -41,6 +42,7 @@ from lightning_multids.checkpoint import (
     export,
     read_lightning_part,
 )
+from lightning_multids.utilities.progress import LineProgress
 
 __all__ = ["MultiDeepSpeedCLI", "main"]
 
@@ -68,6 +70,16 @@ class MultiDeepSpeedCLI(LightningCLI):
             args=list(args) if args is not None else None,
             run=run,
         )
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        """Lightning's Trainer, its progress bar (tqdm's or rich's) as plain lines when the output is not a terminal."""
+        trainer = super().instantiate_trainer(**kwargs)
+        if not sys.stdout.isatty():
+            trainer.callbacks = [  # type: ignore[attr-defined]
+                LineProgress() if type(callback) in (TQDMProgressBar, RichProgressBar) else callback
+                for callback in trainer.callbacks  # type: ignore[attr-defined]
+            ]
+        return trainer
 
     def before_fit(self) -> None:
         """Resolve ``--ckpt_path last`` across the logger's versions (see :func:`newest_last_checkpoint`)."""

@@ -198,6 +198,7 @@ PUBLIC_MODULES = [
     "lightning_multids.utilities.gradcache",
     "lightning_multids.utilities.reductions",
     "lightning_multids.utilities.summary",
+    "lightning_multids.utilities.progress",
 ]
 """The modules a user imports; every other module is marked as the package's own by a leading underscore."""
 

@@ -16,9 +16,19 @@ def test_loss_reaching_no_trainable_engine_is_refused() -> None:
             ValueError,
             match=r"reaches no trainable engine \('generator', 'discriminator'\).*without `.detach\(\)`",
         ),
-        engines.backward(loss),
+        engines.backward(loss) as scaled,
     ):
+        scaled.backward()
+
+
+def test_a_body_that_runs_no_backward_is_not_refused_and_leaves_no_gradients() -> None:
+    """A ``LightningModule.backward`` override that skips the backward: the step then has nothing, as under DDP."""
+    gan = GAN()
+    optimizers = [fake_optimizer("generator"), fake_optimizer("discriminator")]
+    engines = engine_set({}, optimizers, owners_of(gan))
+    with engines.backward(gan.generator(torch.randn(2, 4)).sum()):
         pass
+    assert not any(optimizer.has_gradients for optimizer in optimizers)
 
 
 def test_returned_loss_without_manual_backward_is_refused_only_where_nothing_can_train() -> None:
