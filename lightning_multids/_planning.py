@@ -105,8 +105,8 @@ def collect_optimizers(
                 "(MultiDeepSpeedStrategy switches to manual optimization) and step each optimizer in `training_step`."
             )
         rank_zero_info(
-            f"MultiDeepSpeedStrategy: {total} trainable engines, so `{type(module).__name__}` runs manual "
-            "optimization: call `self.manual_backward(loss)` and `opt.step()` in `training_step`."
+            f"MultiDeepSpeedStrategy: `{type(module).__name__}` has {total} trainable engines, so it runs under "
+            "manual optimization, where its `training_step` steps each optimizer and Lightning steps none."
         )
     return optimizers, scheduler_configs(schedulers, monitor, module, optimizers)
 
