@@ -418,7 +418,8 @@ def _consolidated(path: Path, weights_only: bool | None) -> dict[str, dict[str, 
         elif info["stage"] == 0:
             state = stage0_weights(engine_dir, TAG, weights_only=loading.restricted(weights_only))
         else:
-            with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints 4 lines per engine as it merges
+            # DeepSpeed prints 4 lines per engine as it merges, and a "Loading checkpoint shards" bar on stderr
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=TAG)
         result[name] = {key: value.float() if value.is_floating_point() else value for key, value in state.items()}
     result[PLAIN] = dict(lightning["state_dict"])
