@@ -215,6 +215,7 @@ class EngineOptimizer(Optimizer):
         step, skipped = self.engine.global_steps + 1, self.engine.skipped_steps
         returned = False
         try:
+            ds_compat.take_weight_edits(self.engine)  # edits since the last step reach the fp32 master copy
             with _passing(self.optimizer, kwargs):
                 self.engine.step()
             returned = True
@@ -245,7 +246,8 @@ class EngineOptimizer(Optimizer):
         if self.manual:
             raise ValueError(
                 f"`opt.step()` of engine {self.name!r} was called with no gradient since its last step or "
-                "`zero_grad()`: no `self.manual_backward(loss)` reached this engine, so the step would do nothing. "
+                "`zero_grad()`: no `self.manual_backward(loss)` reached this engine (or a `backward` override of the "
+                "LightningModule skipped it), so the step would do nothing. "
                 "Call `self.manual_backward(loss)` on a loss computed from this submodule first, and `zero_grad()` "
                 "before the backward, not between the backward and the step."
             )

@@ -108,6 +108,8 @@ _OPTIMIZER_ATTRIBUTES: dict[type, tuple[str, ...]] = {
         "partition_gradients",
         "cpu_offload",
         "single_partition_of_fp32_groups",
+        "parallel_partitioned_bit16_groups",
+        "real_dp_process_group",
         "compute_grad_norm",
         "check_grad_overflow",
         "dtype",
@@ -125,7 +127,7 @@ _OPTIMIZER_ATTRIBUTES: dict[type, tuple[str, ...]] = {
         "clip_grad",
         "_coalesce_grad_reduction",
     ),
-    BF16_Optimizer: ("clip_grad",),
+    BF16_Optimizer: ("clip_grad", "bf16_partitioned_groups", "fp32_groups_flat_partition", "real_dp_process_group"),
 }
 
 
@@ -395,6 +397,44 @@ def _zero_gradients_of(partitions: list[torch.Tensor]) -> None:
     for partition in partitions:
         if partition.grad is not None:  # None where a subgroup is swapped out to NVMe
             partition.grad.zero_()
+
+
+@torch.no_grad()
+def take_weight_edits(engine: DeepSpeedEngine) -> None:
+    """Carry edits of the engine's module weights since its last step into the optimizer's fp32 master copy.
+
+    ZeRO-1/2 (``single_partition_of_fp32_groups``) and ZeRO-0/1 in bf16 (``BF16_Optimizer``'s
+    ``fp32_groups_flat_partition``) step a master copy of this rank's partition and then overwrite the module's
+    weights from it, so an in-place edit (``p.data.clamp_``, ``load_state_dict``) would be lost at the next step. Each
+    master partition takes the module's partition (``parallel_partitioned_bit16_groups`` /
+    ``bf16_partitioned_groups``; ``FP16_UnfusedOptimizer``'s ``fp16_groups`` and ``fp32_groups`` per parameter, which
+    DeepSpeed uses for bf16 at ZeRO-0 with a torch optimizer) where they differ: in fp32 a copy; in bf16 the elements
+    whose bf16 value is no longer the master's rounded, so that unedited weights keep their fp32 precision. Not for
+    an offloaded optimizer (its master copy is in host memory), fp16's ``FP16_Optimizer`` (untested here: fp16 needs
+    a GPU), nor ZeRO-3, whose weights outside ``forward`` are partitions.
+    """
+    optimizer = engine.optimizer
+    if isinstance(optimizer, DeepSpeedZeroOptimizer) and not optimizer.cpu_offload:
+        low, high = optimizer.parallel_partitioned_bit16_groups, optimizer.single_partition_of_fp32_groups
+    elif isinstance(optimizer, BF16_Optimizer):
+        low, high = optimizer.bf16_partitioned_groups, optimizer.fp32_groups_flat_partition
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):  # ZeRO-0 in bf16 (or fp16) with a torch optimizer
+        for weights, master in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
+            for pair in zip(weights, master, strict=True):
+                _take_edits(*pair)
+        return
+    else:  # a torch optimizer steps the module's own weights (ZeRO-0 in fp32); FP16_Optimizer, ZeRO-3: not carried
+        return
+    for index, (partitions, master) in enumerate(zip(low, high, strict=True)):
+        _take_edits(partitions[torch.distributed.get_rank(group=optimizer.real_dp_process_group[index])], master)
+
+
+def _take_edits(weights: torch.Tensor, master: torch.Tensor) -> None:
+    """Set ``master`` to ``weights`` where ``weights`` is no longer ``master`` in its dtype (all of it in one dtype)."""
+    if weights.dtype == master.dtype:
+        master.copy_(weights)
+    else:
+        torch.where(weights != master.to(weights.dtype), weights, master, out=master)
 
 
 def clear_after_step(engine: DeepSpeedEngine) -> None:
