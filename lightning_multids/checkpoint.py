@@ -32,6 +32,7 @@ import contextlib
 import io
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -456,8 +457,10 @@ def export(
 
     ``NAME.pt`` is a ``state_dict``; with ``format="hf"`` each engine holding a Hugging Face model gets a folder.
     With ``format="lightning"`` the whole checkpoint becomes one file, ``OUT/model.ckpt``, that
-    ``Model.load_from_checkpoint("OUT/model.ckpt")`` loads as it loads a ``DDPStrategy`` checkpoint: Lightning's
-    state (hyperparameters included) and every weight keyed as in the LightningModule, without optimizer state.
+    ``Model.load_from_checkpoint("OUT/model.ckpt")`` loads as it loads a ``DDPStrategy`` checkpoint: every saved weight
+    keyed as in the LightningModule, the hyperparameters and the loops' progress, as Lightning's weights-only
+    checkpoint holds them (no optimizer, scheduler or callback state). Frozen engines the checkpoint did not save
+    (``save_frozen=False``) are missing from it, with a warning.
 
     Load a ``NAME.pt`` into the plain module with ``module.load_state_dict(torch.load("OUT/generator.pt"))``; a
     ``NAME/`` folder with ``AutoModel...from_pretrained("OUT/actor")``, or for a PEFT model with
@@ -490,6 +493,15 @@ def export(
     if format == "lightning":
         target = out / LIGHTNING_EXPORT
         torch.save(_one_file(lightning, states, dtype), target)
+        unsaved = sorted(set(lightning[FORMAT_KEY]["frozen"]) - set(engines))
+        if unsaved:
+            warnings.warn(
+                f"{target} has no weights for the frozen engines {unsaved}: the checkpoint did not save them "
+                "(`MultiDeepSpeedStrategy(save_frozen=False)`, the default). Load it with "
+                "`Model.load_from_checkpoint(path, strict=False)`, which keeps their weights as the module builds "
+                "them, or train with `save_frozen=True`.",
+                stacklevel=2,
+            )
         return [target]
     written = []
     trusted = not loading.restricted(weights_only)
@@ -511,9 +523,11 @@ def _one_file(lightning: Mapping[str, Any], states: Mapping[str, dict[str, torch
     for name, state in states.items():
         if name != PLAIN:
             merged.update({f"{name}.{key}": value for key, value in state.items()})
-    kept = {key: value for key, value in lightning.items() if key != FORMAT_KEY}
+    # As Lightning's weights-only checkpoint: no optimizer, scheduler or callback state, so that resuming a fit
+    # from it is refused by Lightning rather than starting the optimizers afresh from the saved step.
+    dropped = {FORMAT_KEY, "optimizer_states", "lr_schedulers", "callbacks"}
+    kept = {key: value for key, value in lightning.items() if key not in dropped}
     kept["state_dict"] = {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()}
-    kept["optimizer_states"] = []  # each engine's optimizer state stays in the checkpoint directory
     return kept
 
 

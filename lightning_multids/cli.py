@@ -123,15 +123,30 @@ class MultiDeepSpeedCLI(LightningCLI):
         if max_epochs is None or max_epochs < 0:
             return
         try:
-            epoch = read_lightning_part(found, weights_only=None).get("epoch")
+            saved = read_lightning_part(found, weights_only=None)
         except (OSError, ValueError, pickle.UnpicklingError):
             return
-        if isinstance(epoch, int) and epoch >= max_epochs:
+        start = _resumed_epoch(saved)
+        if start is not None and start >= max_epochs:
             self.parser.error(
-                f"--ckpt_path last resumes {found}, saved in epoch {epoch} (counting from 0), and "
-                f"--trainer.max_epochs={max_epochs} ends training before it. Give --trainer.max_epochs above "
-                f"{epoch} to train on from it, or leave out --ckpt_path to start a new run."
+                f"--ckpt_path last resumes {found}, which goes on at epoch {start + 1}, and "
+                f"--trainer.max_epochs={max_epochs} ends training before it, so nothing would train. Give "
+                f"--trainer.max_epochs above {start} to train on from it, or leave out --ckpt_path to start a new run."
             )
+
+
+def _resumed_epoch(saved: dict[str, Any]) -> int | None:
+    """The epoch (from 0) a fit resumed from Lightning's checkpoint ``saved`` starts in; None where not recorded.
+
+    A checkpoint saved at the end of epoch ``e`` records ``epoch`` ``e`` and that ``e + 1`` epochs were processed, and
+    resumes at ``e + 1``; one saved during epoch ``e`` resumes in it.
+    """
+    progress = saved.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    processed = progress.get("processed")
+    if isinstance(processed, int):
+        return processed
+    epoch = saved.get("epoch")
+    return epoch if isinstance(epoch, int) else None
 
 
 _LAST = re.compile(

@@ -190,14 +190,15 @@ def test_ckpt_path_last_resumes_the_newest_run_of_the_logger(workdir: Path) -> N
     assert "no last checkpoint under outputs/gan/gan/*/checkpoints, so this run starts from scratch" in output
     assert "HINT" not in output  # Lightning's hint to set save_last, which the config sets
     first = Path("outputs/gan/gan/version_0/checkpoints/last.ckpt")
-    output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *SHORT, "--ckpt_path", "last")
+    further = [*SHORT, "--trainer.max_epochs=2", "--ckpt_path", "last"]  # one epoch more than the first run's
+    output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *further)
     assert f"last checkpoint under outputs/gan/gan/*/checkpoints, resuming from {first}" in output
     assert f"Restoring states from the checkpoint path at {first}" in output  # Lightning's own line
-    # Past the newest checkpoint's epoch (a demo of 40 epochs resumed with max_epochs=8): one line, no new folder.
+    # Nothing left to train from the newest checkpoint (the demo's 40 epochs resumed with max_epochs=8, or 40):
+    # one line, and no new folder.
     versions = sorted(p.name for p in (workdir / "outputs" / "gan" / "gan").iterdir())
-    past = [*SHORT, "--trainer.max_epochs=0", "--ckpt_path", "last"]
-    output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *past, returncode=2)
-    assert "saved in epoch 0 (counting from 0), and --trainer.max_epochs=0 ends training before it" in output, output
+    output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *further, returncode=2)  # done
+    assert "which goes on at epoch 3, and --trainer.max_epochs=2 ends training before it" in output, output
     assert "Traceback" not in output
     assert sorted(p.name for p in (workdir / "outputs" / "gan" / "gan").iterdir()) == versions
 

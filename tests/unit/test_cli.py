@@ -117,3 +117,31 @@ def test_run_summary_shows_paths_inside_the_current_directory_relative(
     monkeypatch.chdir(tmp_path)
     assert shown(str(tmp_path / "outputs" / "a.ckpt")) == "outputs/a.ckpt"
     assert shown("/elsewhere/a.ckpt") == "/elsewhere/a.ckpt"
+
+
+def test_lightning_export_is_weights_only_and_warns_of_frozen_engines_not_saved(tmp_path: Path) -> None:
+    """A trained engine saved as weights and a frozen one not saved: one weights-only file, and a warning naming it."""
+    import torch
+
+    from lightning_multids.checkpoint import export
+
+    ckpt = tmp_path / "last.ckpt"
+    (ckpt / "engines" / "student").mkdir(parents=True)
+    torch.save({"weight": torch.ones(2)}, ckpt / "engines" / "student" / "weights.pt")
+    lightning = {
+        "epoch": 0,
+        "global_step": 2,
+        "pytorch-lightning_version": "2.6.0",
+        "loops": {},
+        "callbacks": {"c": 1},
+        "optimizer_states": [],
+        "lr_schedulers": [],
+        "state_dict": {"head.bias": torch.zeros(1)},
+        "multids": {"engines": {"student": {"stage": None}}, "frozen": ["teacher"], "averages": {}, "world_size": 2},
+    }
+    torch.save(lightning, ckpt / "lightning.pt")
+    with pytest.warns(UserWarning, match=r"no weights for the frozen engines \['teacher'\].*save_frozen=True"):
+        (written,) = export(ckpt, tmp_path / "out", format="lightning")
+    saved = torch.load(written)
+    assert set(saved) == {"epoch", "global_step", "pytorch-lightning_version", "loops", "state_dict"}
+    assert saved["state_dict"].keys() == {"student.weight", "head.bias"}
