@@ -394,6 +394,8 @@ class SetField:
         target = _at(case, self.path)
         if target is None or getattr(target, self.key) == self.value:
             return False
+        if self.path == () and self.key == "ema" and case.ema is not None and case.ema.average in _referred(case):
+            return False  # a call still runs the average: drop those first
         setattr(target, self.key, copy.deepcopy(self.value))
         if self.key == "precision":  # DeepSpeed's BF16_Optimizer exists in bf16 only
             for engine in case.engines:
@@ -431,12 +433,7 @@ class DropEngine:
     name: str
 
     def apply(self, case: Case) -> bool:
-        used = {call.engine for phase in case.phases for term in phase.terms for call in term.calls}
-        used |= {phase.owner for phase in case.phases} | set(case.read_after_backward)
-        used |= {case.ema.source} if case.ema else set()
-        used |= {engine.shares for engine in case.engines if engine.shares}
-        used |= {case.resume.inside} if case.resume and case.resume.inside else set()
-        if self.name in used or len(case.engines) == 1:
+        if self.name in _referred(case) or len(case.engines) == 1:
             return False
         case.engines = [engine for engine in case.engines if engine.name != self.name]
         if case.resume is not None:
@@ -446,6 +443,16 @@ class DropEngine:
 
     def __str__(self) -> str:
         return f"drop engine {self.name}"
+
+
+def _referred(case: Case) -> set[str]:
+    """The submodules (engines and the average) that a call, phase, hook, average, share or resume refers to."""
+    used = {call.engine for phase in case.phases for term in phase.terms for call in term.calls}
+    used |= {phase.owner for phase in case.phases} | set(case.read_after_backward)
+    used |= {case.ema.source} if case.ema else set()
+    used |= {engine.shares for engine in case.engines if engine.shares}
+    used |= {case.resume.inside} if case.resume and case.resume.inside else set()
+    return used
 
 
 Edit = SetField | Drop | DropEngine

@@ -138,3 +138,13 @@ def test_the_reference_reproduces_a_term_that_differs_per_rank() -> None:
     gated = expected(case)
     case.phases[0].terms[-1].gate = "always"
     assert any(not torch.equal(gated.weights[k], v) for k, v in expected(case).weights.items())
+
+
+def test_the_average_is_removed_only_when_no_call_runs_it() -> None:
+    """Shrinking seed 1321 (a term calls the EMA average) crashed the driver: removing the average left the call."""
+    case = grammar.generate(1321, grammar.FULL, valid=reference.resolve)
+    assert case.ema is not None and case.ema.average in {
+        c.engine for p in case.phases for t in p.terms for c in t.calls
+    }
+    for description, simpler in grammar.simplifications(case):
+        assert simpler.ema is not None or description != "case: ema=None"
