@@ -1,4 +1,4 @@
-"""What rank code builds the same way: a quiet 2-process CPU Trainer and a sharded loader."""
+"""What rank code builds the same way: a quiet 2-process CPU Trainer, a sharded loader, a small regression."""
 
 from __future__ import annotations
 
@@ -102,3 +102,27 @@ class AtFitEnd(_Record):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._record(trainer)
+
+
+# ---- a small regression, for tests of one engine against plain PyTorch on the global batch ------------------------
+
+
+def regression_model(seed: int = 0) -> torch.nn.Module:
+    """A 4-8-1 MLP with tanh, its weights from ``seed``."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def regression_data(steps: int, per_rank: int) -> torch.Tensor:
+    """``steps`` global batches of 2 x ``per_rank`` rows: 4 inputs and a target each."""
+    return torch.randn(steps * per_rank * 2, 5, generator=torch.Generator().manual_seed(1))
+
+
+def regression_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The mean squared error of ``model`` on ``batch``, in fp32 (a bf16 engine's output is cast)."""
+    return torch.nn.functional.mse_loss(model(batch[:, :4]).squeeze(1).float(), batch[:, 4])
+
+
+def global_batch(data: torch.Tensor, step: int, per_rank: int) -> torch.Tensor:
+    """What the 2 ranks of :func:`sharded_loader` see together at ``step``: plain PyTorch's batch."""
+    return torch.cat([data[rank::2][step * per_rank : (step + 1) * per_rank] for rank in range(2)])

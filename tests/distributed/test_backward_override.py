@@ -13,27 +13,20 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
+from tests.distributed.common import (
+    AtFitEnd,
+    cpu_trainer,
+    global_batch,
+    regression_data,
+    regression_loss,
+    regression_model,
+    sharded_loader,
+)
 from tests.distributed.harness import on_ranks
 
 STEPS, PER_RANK, SKIPPED = 4, 4, (1, 2)
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def make_data() -> torch.Tensor:
-    return torch.randn(STEPS * PER_RANK * 2, 5, generator=torch.Generator().manual_seed(1))
-
-
-def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(model(batch[:, :4]).squeeze(1), batch[:, 4])
 
 
 class Skipping(pl.LightningModule):
@@ -41,11 +34,11 @@ class Skipping(pl.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net, self.skip = make_model(), False
+        self.net, self.skip = regression_model(), False
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         self.skip = batch_idx in SKIPPED
-        return loss_of(self.net, batch)
+        return regression_loss(self.net, batch)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if not self.skip:
@@ -55,7 +48,7 @@ class Skipping(pl.LightningModule):
         return torch.optim.Adam(self.net.parameters(), lr=0.05)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return sharded_loader(self, make_data(), batch_size=PER_RANK)
+        return sharded_loader(self, regression_data(STEPS, PER_RANK), batch_size=PER_RANK)
 
 
 def fit_skipping(stage: int) -> dict[str, torch.Tensor]:
@@ -68,15 +61,15 @@ def fit_skipping(stage: int) -> dict[str, torch.Tensor]:
 
 def reference() -> dict[str, torch.Tensor]:
     """Plain PyTorch on the global batch, stepping only where the backward ran."""
-    model = make_model()
+    model = regression_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
-    data = make_data()
+    data = regression_data(STEPS, PER_RANK)
     for step in range(STEPS):
         if step in SKIPPED:
             continue
-        batch = torch.cat([data[rank::2][step * PER_RANK : (step + 1) * PER_RANK] for rank in range(2)])
+        batch = global_batch(data, step, PER_RANK)
         optimizer.zero_grad()
-        loss_of(model, batch).backward()
+        regression_loss(model, batch).backward()
         optimizer.step()
     return {f"net.{key}": value for key, value in model.state_dict().items()}
 

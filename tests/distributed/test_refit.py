@@ -12,42 +12,35 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
+from tests.distributed.common import (
+    AtFitEnd,
+    cpu_trainer,
+    global_batch,
+    regression_data,
+    regression_loss,
+    regression_model,
+    sharded_loader,
+)
 from tests.distributed.harness import on_ranks
 
 STEPS, PER_RANK, STAGES = 2, 4, (0, 1, 2, 3)
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def make_data() -> torch.Tensor:
-    return torch.randn(STEPS * PER_RANK * 2, 5, generator=torch.Generator().manual_seed(1))
-
-
-def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(model(batch[:, :4]).squeeze(1), batch[:, 4])
-
-
 class Regression(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = make_model()
+        self.net = regression_model()
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return loss_of(self.net, batch)
+        return regression_loss(self.net, batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.net.parameters(), lr=0.5)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return sharded_loader(self, make_data(), batch_size=PER_RANK)
+        return sharded_loader(self, regression_data(STEPS, PER_RANK), batch_size=PER_RANK)
 
 
 def fit_destroy_fit() -> list[dict[str, torch.Tensor]]:
@@ -68,13 +61,13 @@ def fit_destroy_fit() -> list[dict[str, torch.Tensor]]:
 
 
 def reference() -> dict[str, torch.Tensor]:
-    model = make_model()
+    model = regression_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    data = make_data()
+    data = regression_data(STEPS, PER_RANK)
     for step in range(STEPS):
-        batch = torch.cat([data[rank::2][step * PER_RANK : (step + 1) * PER_RANK] for rank in range(2)])
+        batch = global_batch(data, step, PER_RANK)
         optimizer.zero_grad()
-        loss_of(model, batch).backward()
+        regression_loss(model, batch).backward()
         optimizer.step()
     return {f"net.{key}": value for key, value in model.state_dict().items()}
 

@@ -11,11 +11,17 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
+from tests.distributed.common import (
+    AtFitEnd,
+    cpu_trainer,
+    global_batch,
+    regression_data,
+    regression_loss,
+    regression_model,
+    sharded_loader,
+)
 from tests.distributed.harness import on_ranks
 
 STEPS, PER_RANK, SCALE = 2, 4, 0.25
@@ -32,36 +38,23 @@ class ScaledSGD(torch.optim.SGD):
                     param.add_(param.grad, alpha=-group["lr"] * scale)
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def make_data() -> torch.Tensor:
-    return torch.randn(STEPS * PER_RANK * 2, 5, generator=torch.Generator().manual_seed(1))
-
-
-def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(model(batch[:, :4]).squeeze(1), batch[:, 4])
-
-
 class Scaled(pl.LightningModule):
     def __init__(self, optimizer: type[torch.optim.Optimizer]) -> None:
         super().__init__()
-        self.net, self.optimizer_class = make_model(), optimizer
+        self.net, self.optimizer_class = regression_model(), optimizer
         self.automatic_optimization = False
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt = self.optimizers()
         opt.zero_grad()
-        self.manual_backward(loss_of(self.net, batch))
+        self.manual_backward(regression_loss(self.net, batch))
         opt.step(scale=SCALE)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self.optimizer_class(self.net.parameters(), lr=0.5)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return sharded_loader(self, make_data(), batch_size=PER_RANK)
+        return sharded_loader(self, regression_data(STEPS, PER_RANK), batch_size=PER_RANK)
 
 
 def fit_scaled(stage: int) -> dict[str, Any]:
@@ -78,13 +71,13 @@ def fit_scaled(stage: int) -> dict[str, Any]:
 
 
 def reference() -> dict[str, torch.Tensor]:
-    model = make_model()
+    model = regression_model()
     optimizer = ScaledSGD(model.parameters(), lr=0.5)
-    data = make_data()
+    data = regression_data(STEPS, PER_RANK)
     for step in range(STEPS):
-        batch = torch.cat([data[rank::2][step * PER_RANK : (step + 1) * PER_RANK] for rank in range(2)])
+        batch = global_batch(data, step, PER_RANK)
         optimizer.zero_grad()
-        loss_of(model, batch).backward()
+        regression_loss(model, batch).backward()
         optimizer.step(scale=SCALE)
     return {f"net.{key}": value for key, value in model.state_dict().items()}
 
@@ -92,7 +85,7 @@ def reference() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("stage", [0, 2])
 def test_step_keyword_arguments_reach_the_optimizer_or_are_refused(stage: int) -> None:
     result, expected = on_ranks(fit_scaled, stage)[0], reference()
-    unscaled = make_model().state_dict()
+    unscaled = regression_model().state_dict()
     assert max((expected[f"net.{k}"] - v).abs().max() for k, v in unscaled.items()) > 1e-2  # the steps moved
     for key, value in expected.items():
         torch.testing.assert_close(result["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)

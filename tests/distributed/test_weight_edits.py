@@ -12,28 +12,22 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
+from tests.distributed.common import (
+    AtFitEnd,
+    cpu_trainer,
+    global_batch,
+    regression_data,
+    regression_loss,
+    regression_model,
+    sharded_loader,
+)
 from tests.distributed.harness import on_ranks
 
 STEPS, PER_RANK, SHRINK = 3, 4, 0.8
 CASES = [(1, "32-true"), (2, "32-true"), (0, "bf16-mixed"), (2, "bf16-mixed")]
-
-
-def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
-def make_data() -> torch.Tensor:
-    return torch.randn(STEPS * PER_RANK * 2, 5, generator=torch.Generator().manual_seed(1))
-
-
-def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(model(batch[:, :4]).squeeze(1).float(), batch[:, 4])
 
 
 def shrink(model: nn.Module) -> None:
@@ -44,16 +38,16 @@ def shrink(model: nn.Module) -> None:
 class Edited(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = make_model(0)
+        self.net = regression_model(0)
         self.automatic_optimization = False
 
     def on_train_start(self) -> None:
-        self.net.load_state_dict(make_model(7).state_dict())
+        self.net.load_state_dict(regression_model(7).state_dict())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         opt = self.optimizers()
         opt.zero_grad()
-        self.manual_backward(loss_of(self.net, batch))
+        self.manual_backward(regression_loss(self.net, batch))
         opt.step()
         shrink(self.net)
 
@@ -61,7 +55,7 @@ class Edited(pl.LightningModule):
         return torch.optim.Adam(self.net.parameters(), lr=0.05)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return sharded_loader(self, make_data(), batch_size=PER_RANK)
+        return sharded_loader(self, regression_data(STEPS, PER_RANK), batch_size=PER_RANK)
 
 
 def fit_edited() -> list[dict[str, torch.Tensor]]:
@@ -76,13 +70,13 @@ def fit_edited() -> list[dict[str, torch.Tensor]]:
 
 
 def reference() -> dict[str, torch.Tensor]:
-    model = make_model(7)
+    model = regression_model(7)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
-    data = make_data()
+    data = regression_data(STEPS, PER_RANK)
     for step in range(STEPS):
-        batch = torch.cat([data[rank::2][step * PER_RANK : (step + 1) * PER_RANK] for rank in range(2)])
+        batch = global_batch(data, step, PER_RANK)
         optimizer.zero_grad()
-        loss_of(model, batch).backward()
+        regression_loss(model, batch).backward()
         optimizer.step()
         shrink(model)
     return {f"net.{key}": value for key, value in model.state_dict().items()}
