@@ -233,7 +233,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ds_accelerator.follow(self.root_device.type)
         ds_compat.forget_destroyed_groups()  # a fit after `torch.distributed.destroy_process_group()`
         super().setup_distributed()
-        deepspeed.init_distributed(dist_backend=process_group_backend(self), auto_mpi_discovery=False, verbose=False)
+        backend = process_group_backend(self)
+        with ds_compat.comm_without_inference_op():  # a CPU op only inference uses: not built
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

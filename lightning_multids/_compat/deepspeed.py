@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -198,6 +199,24 @@ def forget_destroyed_groups() -> None:
         torch.distributed.get_process_group_ranks(world)
     except KeyError:  # not a group of the running world
         ds_groups._release_process_group_references(group=None)
+
+
+@contextmanager
+def comm_without_inference_op() -> Iterator[None]:
+    """Start DeepSpeed's comm layer without JIT-building its CPU shared-memory op (``comm.torch.build_shm_op``).
+
+    DeepSpeed 0.19.8's ``TorchBackend`` compiles ``deepspeed_shm_comm`` with torch's extension builder whenever its
+    comm layer starts on a CPU accelerator: 30-60 s on a new environment's first run. Only
+    ``inference_all_reduce`` (AutoTP inference) uses it, and falls back to ``torch.distributed.all_reduce`` without
+    it; training, all the strategy runs, never calls it. On a GPU the builder does not exist and nothing changes.
+    """
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is torch itself
+    build = ds_comm_torch.build_shm_op
+    ds_comm_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_comm_torch.build_shm_op = build
 
 
 def torch_optimizer(engine: DeepSpeedEngine) -> Optimizer:

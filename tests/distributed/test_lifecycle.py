@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import os
 import warnings
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -54,10 +56,12 @@ class Lifecycle(pl.LightningModule):
         self.test_outputs: list[torch.Tensor] = []
         self.filters_in_fit = 0
         self.extensions_in_fit: str | None = None
+        self.inference_op_built: bool | None = None
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.filters_in_fit = zero_deprecation_filters()
         self.extensions_in_fit = os.environ.get(EXTENSIONS_VARIABLE)
+        self.inference_op_built = deepspeed.comm.comm.cdb.shm_comm_op is not None
         opt_g, opt_d = self.optimizers()
         patterns.gan(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
         with torch.no_grad():
@@ -116,6 +120,7 @@ def leftovers(module: Lifecycle) -> dict[str, Any]:
         "live_engines": sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()),
         "warning_filters": zero_deprecation_filters(),
         "extensions_dir": os.environ.get(EXTENSIONS_VARIABLE),
+        "shm_op_builder": importlib.import_module("deepspeed.comm.torch").build_shm_op.__name__,
         "gathered_check_group": module._trainer is not None and module.trainer.strategy._arrival is not None,
     }
 
@@ -141,6 +146,7 @@ def fit_fit_test(out: Path) -> dict[str, Any] | None:
         results[f"fit{fit}_engines"] = sorted(trainer.strategy.engines)
         results[f"fit{fit}_filters_in_fit"] = module.filters_in_fit
         results[f"fit{fit}_extensions_in_fit"] = module.extensions_in_fit
+        results[f"fit{fit}_inference_op_built"] = module.inference_op_built
         if fit == 0:
             trainer.strategy.release()
             results["released"] = leftovers(module)
@@ -193,6 +199,7 @@ NOTHING_LEFT = {
     "live_engines": 0,
     "warning_filters": 0,
     "extensions_dir": None,  # the ranks start without TORCH_EXTENSIONS_DIR, as a user's shell
+    "shm_op_builder": "build_shm_op",  # DeepSpeed's own, put back after the comm layer started
     "gathered_check_group": False,  # destroyed at teardown
 }
 
@@ -221,6 +228,11 @@ def test_release_or_the_next_setup_frees_the_engines(results: dict, after: str) 
 def test_deepspeeds_ops_are_built_in_the_environment_during_fit(results: dict, fit: str) -> None:
     """Without ``TORCH_EXTENSIONS_DIR``, the strategy's start sets it (import does not), and teardown unsets it."""
     assert results[f"{fit}_extensions_in_fit"] == results["default_extensions_dir"]
+
+
+def test_deepspeeds_cpu_op_for_inference_only_is_not_built(results: dict) -> None:
+    """DeepSpeed's comm layer compiles a shared-memory op on CPU (30-60 s) that only inference all-reduces use."""
+    assert results["fit0_inference_op_built"] is False
 
 
 @pytest.mark.parametrize("fit", ["fit0", "fit1"])
