@@ -210,7 +210,8 @@ def comm_without_inference_op() -> Iterator[None]:
     ``inference_all_reduce`` (AutoTP inference) uses it, and falls back to ``torch.distributed.all_reduce`` without
     it; training, all the strategy runs, never calls it. On a GPU the builder does not exist and nothing changes.
     """
-    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` is torch itself
+    # by name: the attribute `deepspeed.comm.torch` is the torch package, which deepspeed.comm imports
+    ds_comm_torch: Any = importlib.import_module("deepspeed.comm.torch")
     build = ds_comm_torch.build_shm_op
     ds_comm_torch.build_shm_op = lambda: None
     try:

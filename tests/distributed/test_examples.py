@@ -93,8 +93,19 @@ def events(log_dir: Path) -> EventAccumulator:
     return accumulator
 
 
-def test_gan_config_trains_and_logs_curves_kid_and_a_sample_grid(workdir: Path) -> None:
-    output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *SHORT)
+@pytest.fixture(scope="module")
+def gan_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The GAN config's short run, with ``--ckpt_path last`` and no run before it: its folder and output.
+
+    One run for the tests of what the command prints, logs and saves, and of resuming the newest run after it.
+    """
+    workdir = tmp_path_factory.mktemp("gan")
+    shutil.copytree(REPO / "configs", workdir / "configs")
+    return workdir, lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *SHORT, "--ckpt_path", "last")
+
+
+def test_gan_config_trains_and_logs_curves_kid_and_a_sample_grid(gan_run: tuple[Path, str]) -> None:
+    workdir, output = gan_run
     log_dir = workdir / "outputs" / "gan" / "gan" / "version_0"
     assert "Engines (ZeRO stage): {'generator': 1, 'discriminator': 2, 'generator_ema': 3}" in output
     assert "tensorboard --logdir outputs/gan" in output
@@ -184,14 +195,15 @@ def test_language_model_configs_chain_teacher_students_and_dpo(workdir: Path) ->
     assert (again / "exported" / "student" / "adapter_config.json").is_file()  # an adapter, not a whole model
 
 
-def test_ckpt_path_last_resumes_the_newest_run_of_the_logger(workdir: Path) -> None:
+def test_ckpt_path_last_resumes_the_newest_run_of_the_logger(gan_run: tuple[Path, str]) -> None:
     """Each run logs into a new version folder; ``--ckpt_path last`` finds the previous one's last checkpoint."""
-    output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *SHORT, "--ckpt_path", "last")
+    workdir, output = gan_run
     assert "no last checkpoint under outputs/gan/gan/*/checkpoints, so this run starts from scratch" in output
     assert "HINT" not in output  # Lightning's hint to set save_last, which the config sets
     first = Path("outputs/gan/gan/version_0/checkpoints/last.ckpt")
-    further = [*SHORT, "--trainer.max_epochs=2", "--ckpt_path", "last"]  # one epoch more than the first run's
-    output = lightning_multids(workdir, "fit", "--config", "configs/gan.yaml", *further)
+    # One epoch more than the first run's; the command's entry point on forked ranks (resolving `last` is the CLI's).
+    further = [*SHORT, "--trainer.max_epochs=2", "--ckpt_path", "last"]
+    output = on_forked_ranks(workdir, "fit", "--config", "configs/gan.yaml", *further)
     assert f"last checkpoint under outputs/gan/gan/*/checkpoints, resuming from {first}" in output
     assert f"Restoring states from the checkpoint path at {first}" in output  # Lightning's own line
     # Nothing left to train from the newest checkpoint (the demo's 40 epochs resumed with max_epochs=8, or 40):
