@@ -60,17 +60,26 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_import_sets_no_environment_variable_and_drops_the_accelerator_guess() -> None:
-    """``import lightning_multids`` leaves no global state: the extensions folder is set by the strategy's start."""
+@pytest.fixture(scope="module")
+def imported() -> subprocess.CompletedProcess[str]:
+    """A new interpreter that imports the package, prints what it may have set, then warns as ZeRO's calls do."""
     code = (
-        "import logging, os, lightning_multids; print(os.environ.get('TORCH_EXTENSIONS_DIR')); "
-        "print(len(logging.getLogger('DeepSpeed').filters))"
+        "import logging, os, warnings, lightning_multids\n"
+        "print(os.environ.get('TORCH_EXTENSIONS_DIR'))\n"
+        "print(len(logging.getLogger('DeepSpeed').filters))\n"
+        "warnings.warn('`torch.distributed.all_gather_into_tensor` is deprecated.', FutureWarning)\n"
     )
-    result = run_python(code)
-    extensions, filters = result.stdout.splitlines()[-2:]
+    return run_python(code)
+
+
+def test_import_sets_no_environment_variable_and_drops_the_accelerator_guess(
+    imported: subprocess.CompletedProcess[str],
+) -> None:
+    """``import lightning_multids`` leaves no global state: the extensions folder is set by the strategy's start."""
+    extensions, filters = imported.stdout.splitlines()[-2:]
     assert extensions == "None"
     assert filters == "0", "the filter must be gone after the import"
-    assert "Setting accelerator to CPU" not in result.stdout + result.stderr
+    assert "Setting accelerator to CPU" not in imported.stdout + imported.stderr
 
 
 def test_the_extensions_folder_is_the_environments_until_undone_and_a_users_wins(
@@ -86,13 +95,9 @@ def test_the_extensions_folder_is_the_environments_until_undone_and_a_users_wins
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)
 
 
-def test_import_installs_no_warning_filter() -> None:
+def test_import_installs_no_warning_filter(imported: subprocess.CompletedProcess[str]) -> None:
     """torch's deprecations of DeepSpeed's ZeRO collectives are hidden while engines live, not by ``import``."""
-    code = (
-        "import warnings, lightning_multids\n"
-        "warnings.warn('`torch.distributed.all_gather_into_tensor` is deprecated.', FutureWarning)\n"
-    )
-    assert "all_gather_into_tensor" in run_python(code).stderr
+    assert "all_gather_into_tensor" in imported.stderr
 
 
 def test_run_summary_names_a_command_by_its_path_when_not_on_path(
