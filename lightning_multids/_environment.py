@@ -7,11 +7,12 @@
 
 From the strategy's process-group start (``setup_distributed``) to its ``teardown``:
 
-- DeepSpeed JIT-builds some ops with torch's C++ extension builder when first used (its CPU Adam, for offloaded
-  optimizer states). torch keeps such builds in ``~/.cache/torch_extensions/py311_cpu/``, a folder shared by every
-  environment of that Python, whatever its torch or DeepSpeed: two virtual environments rebuild an op over
-  each other (30-60 s each time). Unless ``TORCH_EXTENSIONS_DIR`` is set, it is set to a folder inside the
-  running environment (``sys.prefix``), so each environment builds once and keeps its build; teardown unsets it.
+- DeepSpeed JIT-builds some ops with torch's C++ extension builder when first used (its own optimizers: a
+  config's ``optimizer`` section, ``DeepSpeedCPUAdam`` for offloaded states). torch keeps such builds in
+  ``~/.cache/torch_extensions/py311_cpu/``, a folder shared by every environment of that Python, whatever its
+  torch or DeepSpeed: two virtual environments rebuild an op over each other (30-60 s each time). Unless
+  ``TORCH_EXTENSIONS_DIR`` is set, it is set to a folder inside the running environment (``sys.prefix``), so each
+  environment builds once and keeps its build; teardown unsets it.
 - From ``setup``: torch 2.13 and 2.14 deprecate ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which
   DeepSpeed 0.19.8's ZeRO calls at every gather and reduction (torch 2.15 no longer does). Python's "once per
   place" does not hold during a fit (the registry that remembers a warning is cleared whenever the warning filters

@@ -212,7 +212,10 @@ def comm_without_inference_op() -> Iterator[None]:
     """
     # by name: the attribute `deepspeed.comm.torch` is the torch package, which deepspeed.comm imports
     ds_comm_torch: Any = importlib.import_module("deepspeed.comm.torch")
-    build = ds_comm_torch.build_shm_op
+    build = getattr(ds_comm_torch, "build_shm_op", None)
+    if build is None:  # a DeepSpeed without it: nothing to leave out
+        yield
+        return
     ds_comm_torch.build_shm_op = lambda: None
     try:
         yield

@@ -42,6 +42,7 @@ from tests.distributed.harness import on_ranks
 from tests.distributed.test_patterns import TOLERANCE, assert_matches
 
 STEPS = 4
+BUILD_SHM_OP = importlib.import_module("deepspeed.comm.torch").build_shm_op  # before any fit replaces it
 
 
 class Lifecycle(pl.LightningModule):
@@ -120,7 +121,7 @@ def leftovers(module: Lifecycle) -> dict[str, Any]:
         "live_engines": sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()),
         "warning_filters": zero_deprecation_filters(),
         "extensions_dir": os.environ.get(EXTENSIONS_VARIABLE),
-        "shm_op_builder": importlib.import_module("deepspeed.comm.torch").build_shm_op.__name__,
+        "shm_op_builder_is_deepspeeds": importlib.import_module("deepspeed.comm.torch").build_shm_op is BUILD_SHM_OP,
         "gathered_check_group": module._trainer is not None and module.trainer.strategy._arrival is not None,
     }
 
@@ -199,7 +200,7 @@ NOTHING_LEFT = {
     "live_engines": 0,
     "warning_filters": 0,
     "extensions_dir": None,  # the ranks start without TORCH_EXTENSIONS_DIR, as a user's shell
-    "shm_op_builder": "build_shm_op",  # DeepSpeed's own, put back after the comm layer started
+    "shm_op_builder_is_deepspeeds": True,  # put back after the comm layer started
     "gathered_check_group": False,  # destroyed at teardown
 }
 

@@ -75,7 +75,7 @@ FAILURES = {  # mode: (the rank that fails, what it says)
 
 @pytest.mark.parametrize("mode", sorted(FAILURES))
 def test_a_failing_rank_stops_every_rank_within_60_seconds(tmp_path: Path, mode: str) -> None:
-    """The clock starts when the first process exits (start-up may include DeepSpeed's one-time op build)."""
+    """The clock starts when the first process exits (start-up takes as long as it takes)."""
     port, procs, logs = str(free_port()), [], [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
     command = [sys.executable, *rank_command(tmp_path, fit_failing, mode)]
     for rank in (0, 1):
