@@ -9,8 +9,8 @@ exponential moving average of the generator (the strategy's ``ema=``), is a froz
 are drawn from it. Both networks are told which digit to draw or judge (a conditional GAN): an unconditional one
 of this size collapses onto a few digits. Each validation epoch logs the Kernel Inception Distance between
 generated and held-out digits, measured in the feature space of a small digit classifier
-(:mod:`examples.digits`), the share of the least frequent digit among samples as that classifier labels them,
-and a grid of samples (one column per digit).
+(:mod:`examples.digits`), the share of each digit among samples as that classifier labels them (``digits/0``
+to ``digits/9``; ``val/rarest_digit`` the least), and a grid of samples (one column per digit).
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ class DigitsGAN(pl.LightningModule):
         self.kid.reset()
         shares = self.class_shares(self.hparams.histogram_samples // 4)
         self.log_dict({"val/kid": kid_mean, "val/rarest_digit": shares.min()}, prog_bar=True, sync_dist=True)
+        self.log_dict({f"digits/{digit}": share for digit, share in enumerate(shares)}, sync_dist=True)
         # The same noise every epoch, so the grids show one set of samples improving; a column per digit.
         fixed = torch.Generator().manual_seed(0)
         labels = torch.arange(CLASSES).repeat(self.hparams.grid_rows)

@@ -2,10 +2,10 @@
 
 Each test copies ``configs/`` into a temporary directory and runs the command there, as a user would from the
 repository root, so every output (logs, checkpoints) lands in the temporary directory. The GAN's tests, which check
-the command itself (what it prints, resuming, errors shown once), run the console script, and Lightning's own
-launcher starts the second process. The examples' own runs (marked ``examples``; ``make test-quick`` leaves them
-out) call the command's entry point on ranks forked by the harness (:func:`on_forked_ranks`): the same code,
-without a new interpreter per rank.
+the command itself (what it prints, errors shown once, what it warns), run the console script, and Lightning's own
+launcher starts the second process; the run they share is resumed on forked ranks. The examples' own runs (marked
+``examples``; ``make test-quick`` leaves them out) call the command's entry point on ranks forked by the harness
+(:func:`on_forked_ranks`): the same code, without a new interpreter per rank.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def lightning_multids(workdir: Path, *args: str, timeout: float = 300, returncod
 def on_forked_ranks(workdir: Path, *args: str, world_size: int = 2) -> str:
     """Run the command's entry point in ``workdir`` on ranks forked by the harness; every rank's output, in order.
 
-    For the examples' runs: the command as a user runs it, less Lightning's launcher and a new interpreter per
-    rank, which :func:`lightning_multids` and the GAN's tests keep (with what the command must not print).
+    For the examples' runs and a resume: the command as a user runs it, less Lightning's launcher and a new
+    interpreter per rank, which :func:`lightning_multids` keeps (with what the command must not print).
     """
     output = "".join(run_ranks(CLI_RANK, str(workdir), *args, world_size=world_size, timeout=240))
     for avoidable in AVOIDABLE:
@@ -110,7 +110,8 @@ def test_gan_config_trains_and_logs_curves_kid_and_a_sample_grid(gan_run: tuple[
     assert "Engines (ZeRO stage): {'generator': 1, 'discriminator': 2, 'generator_ema': 3}" in output
     assert "tensorboard --logdir outputs/gan" in output
     tags = events(log_dir).Tags()
-    assert {"train/d_loss", "train/g_loss", "val/kid", "val/rarest_digit"} <= set(tags["scalars"]), tags["scalars"]
+    shares = {f"digits/{digit}" for digit in range(10)}
+    assert {"train/d_loss", "train/g_loss", "val/kid", "val/rarest_digit", *shares} <= set(tags["scalars"]), tags
     assert re.search(r"^Digits drawn: +0: \d+\.\d%  1: .*  9: \d+\.\d% \(of 2000, by the classifier\)$", output, re.M)
     assert "samples" in tags["images"], tags
     assert (log_dir / "samples.png").is_file()
@@ -193,6 +194,25 @@ def test_language_model_configs_chain_teacher_students_and_dpo(workdir: Path) ->
     ckpt = str(again / "outputs" / "lm" / "distilled" / "checkpoints" / "distilled.ckpt")
     on_forked_ranks(again, "export", ckpt, str(again / "exported"), "--format", "hf", world_size=1)
     assert (again / "exported" / "student" / "adapter_config.json").is_file()  # an adapter, not a whole model
+
+
+UPSTREAM_WARNINGS = [
+    "`isinstance(treespec, LeafSpec)` is deprecated",
+    "module(s) in eval mode at the start of training",
+    "does not have many workers",  # on a machine with 6 or more CPUs
+    "GPU available but not used",  # the config's `accelerator: cpu` on a machine with a GPU
+]
+"""The warnings a short fit may print that are not the project's, each listed in docs/errors.md."""
+
+
+def test_a_fit_warns_only_what_the_errors_guide_lists(gan_run: tuple[Path, str]) -> None:
+    """Every warning line of the GAN's short run (``path.py:LINE: message``) is one docs/errors.md lists."""
+    _, output = gan_run
+    guide = (REPO / "docs" / "errors.md").read_text()
+    assert all(warning in guide for warning in UPSTREAM_WARNINGS), "list each in docs/errors.md"
+    warnings = [line for line in output.splitlines() if re.match(r".+?\.py:\d+: ", line)]
+    unlisted = [line for line in warnings if not any(known in line for known in UPSTREAM_WARNINGS)]
+    assert not unlisted, unlisted
 
 
 def test_ckpt_path_last_resumes_the_newest_run_of_the_logger(gan_run: tuple[Path, str]) -> None:
