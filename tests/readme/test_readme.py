@@ -36,11 +36,14 @@ tensorboard() {
   local log pid; log=$(mktemp)
   "$(type -P tensorboard)" "$@" > "$log" 2>&1 & pid=$!
   for _ in $(seq 120); do
-    if grep -q "^TensorBoard .* at http" "$log"; then kill "$pid"; wait "$pid" || true; cat "$log"; return 0; fi
+    if grep -q "^TensorBoard .* at http" "$log"; then
+      kill "$pid" 2> /dev/null || true; wait "$pid" || true; cat "$log"; rm -f "$log"; return 0
+    fi
     kill -0 "$pid" 2> /dev/null || break
     sleep 0.5
   done
-  kill "$pid" 2> /dev/null || true; cat "$log"; echo "tensorboard exited, or did not serve within 60 s"; return 1
+  kill "$pid" 2> /dev/null || true; cat "$log"; rm -f "$log"; echo "tensorboard exited, or did not serve within 60 s"
+  return 1
 }
 """
 
