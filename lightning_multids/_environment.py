@@ -10,7 +10,7 @@ From the strategy's process-group start (``setup_distributed``) to its ``teardow
 - DeepSpeed JIT-builds some ops with torch's C++ extension builder when first used (its own optimizers: a
   config's ``optimizer`` section, ``DeepSpeedCPUAdam`` for offloaded states). torch keeps such builds in
   ``~/.cache/torch_extensions/py311_cpu/``, a folder shared by every environment of that Python, whatever its
-  torch or DeepSpeed: two virtual environments rebuild an op over each other (30-60 s each time). Unless
+  torch or DeepSpeed: two virtual environments rebuild an op over each other (30-70 s each time). Unless
   ``TORCH_EXTENSIONS_DIR`` is set, it is set to a folder inside the running environment (``sys.prefix``), so each
   environment builds once and keeps its build; teardown unsets it.
 - From ``setup``: torch 2.13 and 2.14 deprecate ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which

@@ -206,7 +206,7 @@ def comm_without_inference_op() -> Iterator[None]:
     """Start DeepSpeed's comm layer without JIT-building its CPU shared-memory op (``comm.torch.build_shm_op``).
 
     DeepSpeed 0.19.8's ``TorchBackend`` compiles ``deepspeed_shm_comm`` with torch's extension builder whenever its
-    comm layer starts on a CPU accelerator: 30-60 s on a new environment's first run. Only
+    comm layer starts on a CPU accelerator: 30-70 s on a new environment's first run. Only
     ``inference_all_reduce`` (AutoTP inference) uses it, and falls back to ``torch.distributed.all_reduce`` without
     it; training, all the strategy runs, never calls it. On a GPU the builder does not exist and nothing changes.
     """
