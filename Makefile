@@ -35,7 +35,7 @@ LANE_TARGETS ?= pytest
 # `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
 # `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
 unexport VENV PYTHON TORCH_SPEC WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
-.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch clean
+.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,24 @@ print-lanes:
 GPU_PYTHON ?= $(PY)
 test-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(STAMP))
 	$(GPU_PYTHON) -m pytest -m gpu tests/gpu -rs
+
+# The check of a machine with one GPU (benchmarks/gpu_check.sh: the GPU suite, syncs per step, peak memory, step
+# time; about 7 minutes; the report in $$OUT or outputs/gpu-check). It runs on that machine's python3 and takes
+# what that lacks from .gpu/whl: `make gpu-wheels` first, on a machine that reaches PyPI (see TESTING.md).
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+# The venv's versions of what the GPU machine lacks, as Python 3.12 wheels for x86-64 Linux, in .gpu/whl.
+GPU_WHEELS := hjson pydantic pydantic.core annotated.types typing.inspection typing.extensions jsonargparse \
+	docstring.parser typeshed.client
+gpu-wheels: $(STAMP)
+	rm -rf .gpu/whl && mkdir -p .gpu/whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/whl \
+		$$($(PY) -m pip list --format=freeze 2>/dev/null | grep -i -E '^($(subst $(eval) ,|,$(GPU_WHEELS)))==' )
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl \
+		$$($(PY) -m pip list --format=freeze 2>/dev/null | grep -i '^deepspeed==')
+	ls .gpu/whl
 
 bench: bench-overhead bench-host bench-hooks bench-memory bench-frozen bench-gradcache bench-generation
 

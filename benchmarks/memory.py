@@ -24,11 +24,20 @@ Peak resident memory of a distillation fit whose teacher is far larger than its 
 of ``--teacher-hidden``) is built in ``configure_model``, so at ZeRO-3 it is created partitioned. A frozen
 ZeRO-3 engine gathers each layer for its own forward and releases it after; ``--deepspeed-defaults`` gives the
 teacher DeepSpeed's own live-parameter, reuse-distance and prefetch settings instead, which gather ahead.
+
+Peak GPU memory (``torch.cuda.max_memory_allocated``) of the same distillation on the GPUs of one machine::
+
+    torchrun --nproc-per-node 1 benchmarks/memory.py gpu-peak --teacher-stage 3 --student-hidden 16384 --offload
+
+reports the fit's peak and the peak while the teacher runs. With ``--offload`` the teacher runs inside
+``strategy.offloaded("student")``, so the ZeRO-2 student's weights, master copy and Adam moments wait in host
+memory meanwhile; the peak while the teacher runs is read inside that block.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import warnings
@@ -169,20 +178,29 @@ def states(stage: int) -> None:
 class BigTeacherDistill(pl.LightningModule):
     """A student distilled from a teacher far larger than itself, both built in ``configure_model``."""
 
-    def __init__(self, teacher_hidden: int, teacher_layers: int) -> None:
+    def __init__(self, teacher_hidden: int, teacher_layers: int, student_hidden: int = 64, offload: bool = False):
         super().__init__()
         self.teacher_sizes = [S["image"], *[teacher_hidden] * teacher_layers, S["classes"]]
+        self.student_sizes = [S["image"], student_hidden, S["classes"]]
+        self.offload = offload
+        self.teacher_peaks: list[int] = []
 
     def configure_model(self) -> None:
         if not hasattr(self, "teacher"):
             self.teacher = mlp(*self.teacher_sizes)
-            self.student = mlp(S["image"], 64, S["classes"])
+            self.student = mlp(*self.student_sizes)
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         (images,) = batch
-        with torch.no_grad():
-            targets = F.log_softmax(self.teacher(images), -1)
-        return F.kl_div(F.log_softmax(self.student(images), -1), targets, log_target=True, reduction="batchmean")
+        asleep = self.trainer.strategy.offloaded("student") if self.offload else contextlib.nullcontext()  # type: ignore[attr-defined]
+        with asleep, torch.no_grad():
+            if images.is_cuda:
+                torch.cuda.reset_peak_memory_stats()
+            targets = F.log_softmax(self.teacher(images).float(), -1)
+            if images.is_cuda:
+                self.teacher_peaks.append(torch.cuda.max_memory_allocated())
+        student = F.log_softmax(self.student(images).float(), -1)
+        return F.kl_div(student, targets, log_target=True, reduction="batchmean")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.student.parameters())
@@ -216,9 +234,38 @@ def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, deepspeed
         )
 
 
+def gpu_peak(args: argparse.Namespace) -> None:
+    """Print this rank's peak GPU memory in a short distillation fit, and its peak while the teacher runs."""
+    module = BigTeacherDistill(args.teacher_hidden, args.teacher_layers, args.student_hidden, args.offload)
+    teacher = {"stage": args.teacher_stage}
+    strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": teacher}})
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=5,
+        **BARE,
+    )
+    torch.cuda.reset_peak_memory_stats()
+    data = torch.utils.data.TensorDataset(torch.randn(S["batch"] * 20, S["image"]))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=S["batch"]))
+    fit_peak = torch.cuda.max_memory_allocated()
+    numel = {name: sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in getattr(module, name).parameters())
+             for name in ("teacher", "student")}  # fmt: skip
+    if trainer.is_global_zero:
+        print(
+            f"| {args.precision} | teacher ZeRO-{args.teacher_stage} | "
+            f"{'student offloaded' if args.offload else 'student on the GPU'} | "
+            f"teacher {numel['teacher'] / 1e6:.0f} M, student {numel['student'] / 1e6:.0f} M | "
+            f"{fit_peak / 2**20:.0f} | {max(module.teacher_peaks) / 2**20:.0f} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["states", "peak"])
+    parser.add_argument("mode", choices=["states", "peak", "gpu-peak"])
     parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
     parser.add_argument("--teacher-stage", type=int, choices=[0, 3], default=3)
     parser.add_argument("--teacher-hidden", type=int, default=4096)
@@ -226,6 +273,9 @@ def main() -> None:
     parser.add_argument(
         "--deepspeed-defaults", action="store_true", help="peak: DeepSpeed's prefetch and live-parameter settings"
     )
+    parser.add_argument("--student-hidden", type=int, default=64, help="gpu-peak: the student's hidden width")
+    parser.add_argument("--offload", action="store_true", help="gpu-peak: the teacher runs with the student offloaded")
+    parser.add_argument("--precision", default="bf16-mixed", help="gpu-peak: the Trainer's precision")
     parser.add_argument("--hidden", type=int, default=S["hidden"], help="states: the GAN's hidden width")
     parser.add_argument("--layers", type=int, default=S["gan_layers"], help="states: hidden layers per GAN model")
     args = parser.parse_args()
@@ -235,6 +285,8 @@ def main() -> None:
         keep_extensions_in_environment()  # as the strategy does: DeepSpeed builds its op in this venv
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         states(args.stage)
+    elif args.mode == "gpu-peak":
+        gpu_peak(args)
     else:
         peak(args.teacher_stage, args.teacher_hidden, args.teacher_layers, args.deepspeed_defaults)
     if torch.distributed.is_initialized():

@@ -401,8 +401,8 @@ def configure(args: argparse.Namespace) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=sorted(MODULES), required=True)
-    parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], required=True)
+    parser.add_argument("--case", nargs="+", choices=sorted(MODULES), required=True, help="one or more, in turn")
+    parser.add_argument("--stage", nargs="+", type=int, choices=[0, 1, 2, 3], required=True, help="one or more")
     parser.add_argument("--arch", choices=["mlp", "transformer"], default="mlp")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true")
@@ -418,8 +418,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
+    """Each stage given, and within it each case, in this one launch (one report row and file each)."""
     args = parse()
     warnings.filterwarnings("ignore")
+    for stage in args.stage:
+        for case in args.case:
+            measure(argparse.Namespace(**{**vars(args), "case": case, "stage": stage}))
+
+
+def measure(args: argparse.Namespace) -> None:
+    """One case at one stage: the rounds of each side, then the report."""
     configure(args)
     run = Run(args.case, args.stage, args.device, args.precision)
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else None

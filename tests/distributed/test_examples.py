@@ -51,7 +51,8 @@ def workdir(tmp_path: Path) -> Path:
 
 def lightning_multids(workdir: Path, *args: str, timeout: float = 300, returncode: int = 0) -> str:
     """Run the console script in ``workdir``; return its output, or fail with it (also on a hang)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # the GPU machine's packages too
+    env = dict(os.environ, PYTHONPATH=path, MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [*CLI, *args],
         cwd=workdir,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,15 @@ import pytest
 import torch
 
 from tests import patterns
-from tests.distributed import test_checkpoint, test_frozen, test_gradcache, test_patterns
+from tests.distributed import (
+    test_checkpoint,
+    test_ema,
+    test_frozen,
+    test_gathered,
+    test_gradcache,
+    test_patterns,
+    test_weights_only,
+)
 from tests.distributed.harness import on_ranks
 from tests.distributed.test_examples import SHORT, events, lightning_multids, workdir  # noqa: F401 (fixture)
 from tests.distributed.test_patterns import (
@@ -120,6 +129,37 @@ def test_save_checkpoint_after_fit_resumes_bitwise_exactly(tmp_path: Path) -> No
     options = test_checkpoint.ResumeOptions(after_fit=True, bf16=True)
     results = on_gpu(test_checkpoint.resume_runs, tmp_path, "gan", [0, 2, 3], options)
     test_checkpoint.assert_resumed_exactly(results, "gan after fit, one process")
+
+
+def test_ema_matches_pytorch(tmp_path: Path) -> None:
+    """A ZeRO-3 average of a ZeRO-2 generator, and of a ZeRO-3 one resumed: plain PyTorch's ``AveragedModel``."""
+    specs = ["2:3", "3p0:3p0:resumed"]
+    results = on_gpu(test_ema.fit_all, test_ema.DECAY, specs, tmp_path)
+    for spec in specs:
+        test_ema.test_average_matches_plain_pytorch(results, spec)
+
+
+def test_gathered_blocks_at_zero3_match_pytorch() -> None:
+    """``strategy.gathered`` on a trained and a frozen ZeRO-3 engine: whole inside, training after it exact."""
+    results = [on_gpu(test_gathered.fit, test_gathered.STEPS)]
+    test_gathered.test_inside_the_block_the_submodule_is_whole_and_gives_the_same_outputs(results)
+    test_gathered.test_training_after_the_blocks_matches_plain_pytorch(results)
+    test_gathered.test_misuse_is_refused_and_an_exception_leaves_it_usable(results)
+
+
+def train_and_load(root: Path) -> dict[str, str]:
+    """One process: a distillation saved, then resumed from a clean copy and from one with poisoned model states."""
+    test_weights_only.train(root)
+    shutil.copytree(root / "ckpts" / "last.ckpt", root / "cases" / "clean" / "last.ckpt")
+    test_weights_only.poisoned_copy(root, "poisoned", test_weights_only.PARTS["model_states"])
+    return test_weights_only.load_cases(root, ["clean:true:fit", "poisoned:none:fit"])
+
+
+def test_weights_only_resume_loads_tensors_and_refuses_code(tmp_path: Path) -> None:
+    results = on_gpu(train_and_load, tmp_path)
+    assert results["clean"] == "ok", results["clean"]
+    assert results["poisoned"].startswith("UnpicklingError: Refusing to load"), results["poisoned"]
+    assert not (tmp_path / "cases" / "poisoned.ran").exists(), "the poisoned model states ran code"
 
 
 @pytest.mark.parametrize(
