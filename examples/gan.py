@@ -143,7 +143,7 @@ class DigitsGAN(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         kid_mean, _ = self.kid.compute()  # gathers every rank's features
         self.kid.reset()
-        shares = self.class_shares(self.hparams.histogram_samples // 4)
+        shares = self.class_shares(self.hparams.histogram_samples // 4).to(self.device)  # synced: nccl needs the GPU
         self.log_dict({"val/kid": kid_mean, "val/rarest_digit": shares.min()}, prog_bar=True, sync_dist=True)
         self.log_dict({f"digits/{digit}": share for digit, share in enumerate(shares)}, sync_dist=True)
         # The same noise every epoch, so the grids show one set of samples improving; a column per digit.

@@ -428,11 +428,22 @@ def _consolidated(path: Path, weights_only: bool | None) -> dict[str, dict[str, 
 
 
 def gathered_state_dict(module: nn.Module) -> dict[str, Any]:
-    """``module.state_dict()`` with every ZeRO-3 partition gathered; a collective call (also after fit)."""
-    if not any(is_zero_param(param) for param in module.parameters()):
+    """``module.state_dict()`` with every ZeRO-3 partition gathered; a collective call (also after fit).
+
+    Each value is on the device its parameter's placeholder is on, as ``module.state_dict()`` would give it: the
+    engine's device during fit, the CPU after it, where Lightning's teardown moves the module (as under DDP).
+    """
+    params = list(module.parameters())
+    if not any(is_zero_param(param) for param in params):
         return module.state_dict()
-    with whole(module.parameters()):
-        return {key: value.detach().clone() for key, value in module.state_dict().items()}
+    placed = {key: value.device for key, value in module.state_dict().items()}
+    devices = [param.data.device for param in params]
+    with whole(params):
+        state = {key: value.detach().to(placed[key], copy=True) for key, value in module.state_dict().items()}
+    for param, device in zip(params, devices, strict=True):
+        if param.data.device != device:  # ZeRO-3 frees a gathered parameter to a placeholder on the gathering device
+            param.data = param.data.to(device)
+    return state
 
 
 def load_weights(module: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:

@@ -144,6 +144,7 @@ def fit_patterns(stage: int, optimizer: str, steps: int, precision: str, names: 
                 "offloaded": {name: bool(e.zero_cpu_offload()) for name, e in s.engines.items()},
                 "loss_scales": {name: float(getattr(e.optimizer, "loss_scale", 0.0)) for name, e in s.engines.items()},
                 "dtype": str(next(s.lightning_module.generator.parameters()).dtype),  # fp32 again after teardown
+                "device": str(next(s.lightning_module.generator.parameters()).device),  # where it trained
             }
         )
         trainer = cpu_trainer(
@@ -157,13 +158,13 @@ def fit_patterns(stage: int, optimizer: str, steps: int, precision: str, names: 
         )
         trainer.fit(module)
         state = strategy.consolidated_state_dict()  # every rank: gathers ZeRO-3 partitions
-        device = str(next(module.generator.parameters()).device)
+        again = strategy.consolidated_state_dict()  # a gathering leaves the module where it was
         results[pattern] = {
             "weights": {k: v.float().clone() for k, v in state.items()},
+            "weight_devices": sorted({str(v.device) for v in [*state.values(), *again.values()]}),
             **engines_at_end.value,
             "automatic": module.automatic_optimization,
             "lr": [group["lr"] for opt in strategy.optimizers for group in opt.param_groups],
-            "device": device,
             "ds_accelerator": get_accelerator().device_name(),
             "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
         }

@@ -69,6 +69,7 @@ def test_gan_patterns_match_pytorch(stage: int) -> None:
     results = train(stage, "sgd", 4, "32-true", *patterns.PATTERNS, *CHECKPOINTED)
     for name, result in results.items():
         assert (result["device"], result["ds_accelerator"]) == DEVICE
+        assert result["weight_devices"] == ["cpu"], "after fit the module's weights are on the CPU, as under DDP"
         assert_matches(result["weights"], patterns.reference(name.split("+")[0], "sgd", 4), TOLERANCE)
         assert_backward_state_clean(result)
 
