@@ -8,6 +8,8 @@ Clearing and resetting an engine's gradients touch DeepSpeed's internals, so the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 from deepspeed import DeepSpeedEngine
 
@@ -41,3 +43,38 @@ def full_gradients(engine: DeepSpeedEngine, name: str, present: bool = True) -> 
     return {
         key: grad.detach().float().reshape(ds_compat.full_shape(params[key])) / scale for key, grad in grads.items()
     }
+
+
+def refuse_engine_clipping(owners: Mapping[int, str], stages: Mapping[str, int]) -> Callable[[str, list], None]:
+    """The check :func:`~lightning_multids._compat.torch.guard_gradient_clipping` runs before torch's clipping.
+
+    It refuses a parameter of a trainable engine: there ``param.grad`` holds this rank's gradient before the
+    ranks' average (ZeRO-0/1; DeepSpeed reduces in ``step()``) or None (ZeRO-2/3), so torch would clip by each
+    rank's own norm, or clip nothing, where DDP clips the averaged gradient. Other parameters pass.
+
+    Args:
+        owners: ``id(parameter) -> engine name`` for every trainable engine's parameter (alive during the fit).
+        stages: each trainable engine's ZeRO stage.
+    """
+
+    def check(function: str, parameters: list) -> None:
+        names = sorted({owners[id(p)] for p in parameters if id(p) in owners})
+        if not names:
+            return
+        name = names[0]
+        held = (
+            "None (DeepSpeed keeps only this rank's reduced partition), so nothing would be clipped"
+            if stages[name] >= 2
+            else "this rank's own gradient before the ranks' average (DeepSpeed reduces it in `opt.step()`), so "
+            "each rank would clip by its own norm"
+        )
+        how = "DeepSpeed clips only by norm: " if function == "clip_grad_value_" else ""
+        raise ValueError(
+            f"`torch.nn.utils.{function}` over the parameters of engine {name!r} (ZeRO-{stages[name]}): its "
+            f"`param.grad` is {held}. {how}clip with `self.clip_gradients(opt, gradient_clip_val=...)` before "
+            "`opt.step()` (manual optimization) or `Trainer(gradient_clip_val=...)`: the engine's step clips the "
+            f"averaged gradients by their global norm. To read the gradients or their norm: "
+            f"`self.trainer.strategy.full_gradients({name!r})`."
+        )
+
+    return check

@@ -46,6 +46,7 @@ from lightning_multids._discovery import check_engine_names
 from lightning_multids._ema import EmaArgument, average_entries, check_average_names, parse_averages
 from lightning_multids._engines import EngineSet
 from lightning_multids._environment import hide_zero_deprecations, keep_extensions_in_environment
+from lightning_multids._gradients import refuse_engine_clipping
 from lightning_multids._lifecycle import (
     agree_on_failure,
     build_engines,
@@ -162,6 +163,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """A checkpoint whose Lightning part was read before setup: setup loads the rest once the engines exist."""
         self._restore_summary: Callable[[], None] = _nothing
         self._show_zero_deprecations: Callable[[], None] = _nothing
+        self._allow_torch_clipping: Callable[[], None] = _nothing
         self._unset_extensions_dir: Callable[[], None] = _nothing
 
     @property
@@ -316,6 +318,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
             self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_configs)
         warn_gradient_readers(module, self._engine_set.trainable_engines)
+        self._allow_torch_clipping()  # a setup after one whose teardown did not run
+        stages = {name: e.zero_optimization_stage() for name, e in self._engine_set.trainable_engines.items()}
+        self._allow_torch_clipping = torch_compat.guard_gradient_clipping(
+            refuse_engine_clipping(self._engine_set.owners, stages)
+        )
         self.optimizers = list[Optimizer](self._engine_set.optimizers)
         self.lr_scheduler_configs = self._engine_set.scheduler_configs
         self._restore_summary = count_partitioned(trainer, self._engine_set.engines)  # before on_fit_start
@@ -663,6 +670,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._restore_summary = _nothing
         self._show_zero_deprecations()
         self._show_zero_deprecations = _nothing
+        self._allow_torch_clipping()
+        self._allow_torch_clipping = _nothing
         self._unset_extensions_dir()
         self._unset_extensions_dir = _nothing
         if self.lightning_module is not None and trainer_of(self.lightning_module) is not None:

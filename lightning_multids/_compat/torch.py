@@ -6,6 +6,7 @@ one file.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -110,3 +111,39 @@ def broadcast_buffers(module: torch.nn.Module) -> None:
     # mean) and is backpropagated later does not fail on a changed version.
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffers):
         _sync_params_and_buffers(_get_default_group(), list(buffers), 250 * 1024 * 1024, 0)
+
+
+def guard_gradient_clipping(check: Callable[[str, list[torch.Tensor]], None]) -> Callable[[], None]:
+    """Call ``check(function, parameters)`` before torch's gradient clipping clips; return the undo.
+
+    ``clip_grad_norm_`` is covered however it was imported: it looks up the private ``_clip_grads_with_norm_``
+    at each call and hands it the parameters (torch 2.11-2.15). ``clip_grad_value_`` is covered where it is looked
+    up in ``torch.nn.utils`` or ``torch.nn.utils.clip_grad`` at the call, not as a name imported before the fit.
+    """
+    clip_grad = torch.nn.utils.clip_grad
+    by_norm, by_value = clip_grad._clip_grads_with_norm_, clip_grad.clip_grad_value_
+
+    def checked(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            check(name, parameters)
+            return function(parameters, *args, **kwargs)
+
+        return clip
+
+    patches = [
+        (clip_grad, "_clip_grads_with_norm_", checked(by_norm, "clip_grad_norm_")),
+        (clip_grad, "clip_grad_value_", checked(by_value, "clip_grad_value_")),
+        (torch.nn.utils, "clip_grad_value_", checked(by_value, "clip_grad_value_")),
+    ]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, patched in patches:
+        setattr(module, name, patched)
+
+    def undo() -> None:
+        for (module, name, original), (_, _, patched) in zip(originals, patches, strict=True):
+            if getattr(module, name) is patched:  # another patch made since stays
+                setattr(module, name, original)
+
+    return undo

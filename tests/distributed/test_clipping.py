@@ -1,8 +1,11 @@
-"""``Trainer(gradient_clip_val=...)`` in automatic optimization goes through ``configure_gradient_clipping``.
+"""``Trainer(gradient_clip_val=...)`` in automatic optimization goes through ``configure_gradient_clipping``; torch's
+own clipping over an engine's parameters is refused at the call.
 
 On 2 ranks, :func:`fit_each_mode` trains one engine (the generator) on a regression for 4 steps with SGD, clipped
 to ``CLIP``: by Lightning's own ``configure_gradient_clipping`` (``default``), or by an override that clips on even
 steps only (``even_steps``). Each rank returns the weights per mode; the test reads rank 0's.
+:func:`clip_with_torch` runs manual-optimization fits that call ``torch.nn.utils``' clipping between backward and
+step; each rank returns what each fit ended with.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
+from torch.nn.utils import clip_grad_norm_  # imported before any fit, as user modules do
 
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
@@ -82,3 +87,72 @@ def test_an_overridden_configure_gradient_clipping_is_honoured(stage: int) -> No
     assert (reference("default")["generator.2.bias"] - reference("even_steps")["generator.2.bias"]).abs().max() > 1e-3
     for mode in MODES:
         assert_matches(results[mode], reference(mode), TOLERANCE)
+
+
+class ClipsWithTorch(pl.LightningModule):
+    """Manual optimization that clips with torch between backward and step, as a DDP user writes it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.how = how
+        self.generator, _ = patterns.make_modules()
+        self.unused = nn.Linear(2, 2)  # a plain submodule: no engine's, and no gradient
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(patterns.regression_loss(self.generator, batch))
+        params = self.unused.parameters() if self.how == "plain" else self.generator.parameters()
+        if self.how == "value":
+            torch.nn.utils.clip_grad_value_(params, CLIP)
+        elif self.how == "imported":
+            clip_grad_norm_(params, CLIP)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return patterns.make_optimizer("sgd", self.generator.parameters())
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return sharded_loader(self, patterns.make_batches(STEPS))
+
+
+def clip_with_torch(cases: list[str]) -> dict[str, str]:
+    """On each rank: one fit per case ``HOW:STAGE``; ``ok``, or the error it ended with; torch's functions after."""
+    results = {}
+    for case in cases:
+        how, stage = case.split(":")
+        trainer = cpu_trainer(MultiDeepSpeedStrategy(stage=int(stage)), enable_checkpointing=False)
+        try:
+            trainer.fit(ClipsWithTorch(how))
+            results[case] = "ok"
+        except ValueError as error:
+            results[case] = str(error)
+    clip_grad = torch.nn.utils.clip_grad
+    results["restored"] = str(
+        clip_grad.clip_grad_value_ is torch.nn.utils.clip_grad_value_ is ORIGINAL_VALUE
+        and clip_grad._clip_grads_with_norm_ is ORIGINAL_NORM
+    )
+    return results
+
+
+ORIGINAL_VALUE = torch.nn.utils.clip_grad_value_
+ORIGINAL_NORM = torch.nn.utils.clip_grad._clip_grads_with_norm_
+
+
+def test_torch_clipping_over_an_engine_is_refused_at_the_call() -> None:
+    """Under DDP ``param.grad`` is averaged by then; here it is each rank's own (ZeRO-0/1) or None (ZeRO-2/3)."""
+    cases = ["norm:0", "norm:2", "norm:3", "imported:1", "value:2", "plain:2"]
+    for rank, results in enumerate(on_ranks(clip_with_torch, cases, timeout=300)):
+        assert results.pop("plain:2") == "ok", f"rank {rank}: a plain submodule's clipping is torch's own"
+        assert results.pop("restored") == "True", f"rank {rank}: teardown puts torch's functions back"
+        for case, message in results.items():
+            how, stage = case.split(":")
+            function = "clip_grad_value_" if how == "value" else "clip_grad_norm_"
+            expected = f"`torch.nn.utils.{function}` over the parameters of engine 'generator' (ZeRO-{stage})"
+            assert message.startswith(expected), f"rank {rank}, {case}: {message}"
+            held = "None" if int(stage) >= 2 else "this rank's own gradient"
+            assert held in message and "self.clip_gradients(opt, gradient_clip_val=...)" in message, message
+            assert "full_gradients('generator')" in message, message
