@@ -102,7 +102,7 @@ test-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(STAMP))
 	$(GPU_PYTHON) -m pytest -m gpu tests/gpu -rs
 
 # The check of a machine with one GPU (benchmarks/gpu_check.sh: the GPU suite, syncs per step, peak memory, step
-# time; about 7 minutes; the report in $$OUT or outputs/gpu-check). It runs on that machine's python3 and takes
+# time; about 8 minutes; the report in $$OUT or outputs/gpu-check). It runs on that machine's python3 and takes
 # what that lacks from .gpu/whl: `make gpu-wheels` first, on a machine that reaches PyPI (see TESTING.md).
 gpu-check:
 	bash benchmarks/gpu_check.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make gpu-check`: the whole check of one machine with one GPU, in about 7 minutes, each part under its own time
+# `make gpu-check`: the whole check of one machine with one GPU, in about 8 minutes, each part under its own time
 # limit, in this order (a run cut short still has the first parts):
 #   suite     the GPU suite (tests/gpu): patterns against plain PyTorch in fp32/bf16/fp16 at ZeRO 0-3, GAN,
 #             distillation, GradCache, EMA, `gathered`, a weights_only resume, the CLI configs
@@ -48,17 +48,18 @@ torch.__version__, '| CUDA', torch.version.cuda, '| Lightning', lightning.__vers
 
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
 # shellcheck disable=SC2086
-part suite 160 $PY -m pytest -m gpu tests/gpu -rfEs -q -p no:cacheprovider $XDIST --durations=10
-part syncs 50 $PY benchmarks/syncs.py --cases gan distill single --stages 0 1 2 3 \
+part suite 150 $PY -m pytest -m gpu tests/gpu -rfEs -q -p no:cacheprovider $XDIST --durations=10
+part syncs 70 $PY benchmarks/syncs.py --cases gan distill single --stages 0 1 2 3 \
     --precisions bf16-mixed 16-mixed --out outputs/gpu-check/syncs.json
 RUN="$PY -m torch.distributed.run --nproc-per-node 1"
 TEACHER="--teacher-hidden 4096 --teacher-layers 12 --student-hidden 16384"
 # shellcheck disable=SC2086
 part memory 110 bash -c "echo '| precision | teacher | student | sizes | fit peak MiB | peak while the teacher runs MiB |'
+    echo '|---|---|---|---|---|---|'
     $RUN benchmarks/memory.py gpu-peak --teacher-stage 0 $TEACHER
     $RUN benchmarks/memory.py gpu-peak --teacher-stage 3 $TEACHER
     $RUN benchmarks/memory.py gpu-peak --teacher-stage 3 $TEACHER --offload"
 # shellcheck disable=SC2086
-part overhead 150 $RUN benchmarks/overhead.py --device cuda --precision bf16-mixed --arch transformer \
+part overhead 140 $RUN benchmarks/overhead.py --device cuda --precision bf16-mixed --arch transformer \
     --case distill gan --stage 3 2 0 --rounds 3 --steps 10 --warmup 3 --out outputs/gpu-check/overhead
 cat "$REPORT"

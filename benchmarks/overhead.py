@@ -54,6 +54,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, Strategy
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids._compat.deepspeed import release_engine
 from lightning_multids._config import engine_config, frozen_config, sized_buckets
 
 SIZES = {
@@ -375,7 +376,15 @@ def run_raw(run: Run, data: list[tuple[torch.Tensor, torch.Tensor]], warmup: int
         synchronize()
         if index >= warmup:
             times.append(time.perf_counter() - start)
+    release_raw(engines)
     return times
+
+
+def release_raw(engines: dict[str, Any]) -> None:
+    """Free B's engines as A's strategy frees its own at teardown: left alone, their hooks keep each run's engines
+    (and on a GPU their memory) alive into the next round and the next case of the launch."""
+    for engine in engines.values():
+        release_engine(engine)
 
 
 # ---- the launch ---------------------------------------------------------------------------------------

@@ -6,12 +6,17 @@ One process on one GPU; every case, stage and precision given runs in that proce
 
 The cases are those of ``benchmarks/overhead.py`` (``--size cpu`` models by default: the count does not depend on
 the width). After ``--warmup`` steps, every later step of each side runs under
-``torch.cuda.set_sync_debug_mode("warn")``, which warns at each operation that makes the host wait for the GPU
-(``.item()``, ``.tolist()``, ``bool(tensor)``, a device-to-host copy, ``torch.cuda.synchronize``...). Each warning is
-put down to the innermost frame outside torch that led to it: ``strategy`` (this package), ``deepspeed``,
-``lightning``, or ``benchmark`` (the step's own code and its timer, ``torch.cuda.synchronize`` once per step on
-each side). Reported: each origin's syncs per step on each side, and the strategy's call sites. The goal for the
-strategy's own column is 0.
+``torch.cuda.set_sync_debug_mode("warn")``, which warns at operations that make the host wait for the GPU
+(``.item()``, ``.tolist()``, ``bool(tensor)``, a device-to-host copy...; not ``torch.cuda.synchronize()``, so the
+timers' syncs are not counted). Each Python warning is put down to the innermost frame outside torch that led to
+it: ``strategy`` (this package), ``deepspeed``, ``lightning``, or ``benchmark`` (the step's own code). Reported:
+each origin's syncs per step on each side, and the strategy's call sites. The goal for the strategy's own column
+is 0.
+
+What it does not see: syncs that torch reports from C++ without a Python warning (c10d's collectives print
+``warn_or_error_on_sync`` to stderr); and one process is one rank, so the strategy's cross-rank agreement after
+each backward (world size 1 skips it) is not exercised. A sync inside a C++ backward is put down to the caller of
+``backward`` (Lightning's on side A, DeepSpeed's on side B).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from common import REPO, StepMeter, release_memory, synchronize
-from overhead import SIZES, Run, batches, configure, raw_engines, raw_step, run_strategy
+from overhead import SIZES, Run, batches, configure, raw_engines, raw_step, release_raw, run_strategy
 
 import lightning_multids
 
@@ -120,6 +125,7 @@ def count_raw(run: Run, data: list, warmup: int) -> SyncCounter:
             raw_step(run, engines, real.to(run.dtype), z.to(run.dtype))
             synchronize()  # as overhead.py's loop, and as the strategy side's timer
         counter.on = False
+    release_raw(engines)
     return counter
 
 

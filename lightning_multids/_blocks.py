@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -219,15 +219,26 @@ def gathered(
                     restore()
 
 
-def whole(params: Iterable[nn.Parameter]) -> AbstractContextManager:
+@contextmanager
+def whole(params: Iterable[nn.Parameter]) -> Iterator[None]:
     """``deepspeed.zero.GatheredParameters`` over those of ``params`` ZeRO-3 holds partitioned now; a collective call.
 
     Inside :func:`gathered` a submodule's parameters are whole already, and DeepSpeed refuses to gather them again
     ("Nested GatheredParameters contexts cannot overlap"); they are read as they are. So are the small ones ZeRO-3
     keeps whole between forwards. Every rank is in the same blocks, so every rank gathers the same list.
+    Each placeholder is left on the device it was on: DeepSpeed releases a gathered parameter to an empty one on
+    the device it gathered on, which after fit (the module on the CPU, as Lightning's teardown leaves it) is not
+    the module's.
     """
     partitioned = [param for param in params if is_zero_param(param) and not ds_compat.is_gathered(param)]
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None, enabled=bool(partitioned))
+    devices = [param.data.device for param in partitioned]
+    try:
+        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None, enabled=bool(partitioned)):
+            yield
+    finally:
+        for param, device in zip(partitioned, devices, strict=True):
+            if param.data.device != device and not ds_compat.is_gathered(param):
+                param.data = param.data.to(device)
 
 
 # ---- offloaded -------------------------------------------------------------------------------------------

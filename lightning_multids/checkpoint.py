@@ -433,17 +433,11 @@ def gathered_state_dict(module: nn.Module) -> dict[str, Any]:
     Each value is on the device its parameter's placeholder is on, as ``module.state_dict()`` would give it: the
     engine's device during fit, the CPU after it, where Lightning's teardown moves the module (as under DDP).
     """
-    params = list(module.parameters())
-    if not any(is_zero_param(param) for param in params):
+    if not any(is_zero_param(param) for param in module.parameters()):
         return module.state_dict()
     placed = {key: value.device for key, value in module.state_dict().items()}
-    devices = [param.data.device for param in params]
-    with whole(params):
-        state = {key: value.detach().to(placed[key], copy=True) for key, value in module.state_dict().items()}
-    for param, device in zip(params, devices, strict=True):
-        if param.data.device != device:  # ZeRO-3 frees a gathered parameter to a placeholder on the gathering device
-            param.data = param.data.to(device)
-    return state
+    with whole(module.parameters()):
+        return {key: value.detach().to(placed[key], copy=True) for key, value in module.state_dict().items()}
 
 
 def load_weights(module: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool) -> None:
