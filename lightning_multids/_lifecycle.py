@@ -230,7 +230,10 @@ def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:
 
     A ZeRO-3 submodule stays partitioned:
     ``deepspeed.zero.GatheredParameters`` reads it, and the next fit or evaluation builds an engine on it.
-    A whole submodule of a bf16/fp16 engine goes back to torch's default dtype.
+    A whole submodule of a bf16/fp16 engine goes back to torch's default dtype, on the CPU, where the teardown that
+    calls this moves the module next: a blocking copy to the host converts there, so the accelerator never holds the
+    submodule in fp32 (twice its bf16 size) at the end of a fit, which a model that fit only in bf16 would not
+    survive.
     """
     for handle in handles:
         handle.remove()
@@ -239,7 +242,7 @@ def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:
     if engine_dtype(engine) != torch.float32 and not is_partitioned(engine.module):
         # Without the input cast, a bf16/fp16 module would fail on fp32 inputs outside fit. Back in fp32 it runs
         # as under DDP with mixed precision; a ZeRO-3 one gets an engine (and its cast) again when evaluated.
-        engine.module.to(torch.get_default_dtype())
+        engine.module.to(device="cpu", dtype=torch.get_default_dtype())
 
 
 def build_frozen_engine(module: nn.Module, config: dict[str, Any]) -> DeepSpeedEngine:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -79,9 +80,18 @@ def fit_plain_head(stage: int) -> dict[str, Any]:
         enable_checkpointing=False,
     )
     module = PlainHead()
-    trainer.fit(module)
+    casts: list[str] = []  # where each cast of a submodule to fp32 happens: the device it names
+    to = nn.Module.to
+
+    def recording(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if torch.float32 in (*args, kwargs.get("dtype")):
+            casts.append(str(kwargs.get("device", next((a for a in args if isinstance(a, str | torch.device)), None))))
+        return to(self, *args, **kwargs)
+
+    with mock.patch.object(nn.Module, "to", recording):
+        trainer.fit(module)
     weights = {key: value.float() for key, value in at_end.value.items() if key.startswith("body.")}
-    return {"weights": weights, "ema_dtypes": module.ema_dtypes}
+    return {"weights": weights, "ema_dtypes": module.ema_dtypes, "casts": casts}
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -101,6 +111,8 @@ def reference() -> dict[str, torch.Tensor]:
 def test_a_plain_head_and_an_fp32_loss_weight_run_under_autocast_in_bf16(stage: int) -> None:
     result = on_ranks(fit_plain_head, stage)[0]
     assert result["ema_dtypes"] == [torch.float32] * STEPS  # the fp32 engine's forward: autocast off
+    # At teardown the whole bf16 body goes back to fp32 on the CPU, never as a whole fp32 copy on the accelerator.
+    assert result["casts"] == (["cpu"] if stage == 0 else []), result["casts"]
     weights, expected = result["weights"], reference()
     assert weights.keys() == expected.keys()
     moved = max(
