@@ -237,7 +237,7 @@ def whole(params: Iterable[nn.Parameter]) -> Iterator[None]:
             yield
     finally:
         for param, device in zip(partitioned, devices, strict=True):
-            if param.data.device != device and not ds_compat.is_gathered(param):
+            if param.data.device != device and param.data.numel() == 0:  # a placeholder, not a half-done gather
                 param.data = param.data.to(device)
 
 

@@ -658,6 +658,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ended without an exception the stopped engines are kept, so that ``trainer.save_checkpoint`` works after
         ``fit`` as under DDP, until :meth:`release` or the next setup.
         """
+        self._allow_torch_clipping()  # first: torch's own functions must come back even if a release below fails
+        self._allow_torch_clipping = _nothing
         release_engines(self._engine_set)
         self._stop_arrival()
         self._loading = None  # a checkpoint read for a setup that did not finish
@@ -670,8 +672,6 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._restore_summary = _nothing
         self._show_zero_deprecations()
         self._show_zero_deprecations = _nothing
-        self._allow_torch_clipping()
-        self._allow_torch_clipping = _nothing
         self._unset_extensions_dir()
         self._unset_extensions_dir = _nothing
         if self.lightning_module is not None and trainer_of(self.lightning_module) is not None:

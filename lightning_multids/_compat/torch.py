@@ -117,11 +117,14 @@ def guard_gradient_clipping(check: Callable[[str, list[torch.Tensor]], None]) ->
     """Call ``check(function, parameters)`` before torch's gradient clipping clips; return the undo.
 
     ``clip_grad_norm_`` is covered however it was imported: it looks up the private ``_clip_grads_with_norm_``
-    at each call and hands it the parameters (torch 2.11-2.15). ``clip_grad_value_`` is covered where it is looked
-    up in ``torch.nn.utils`` or ``torch.nn.utils.clip_grad`` at the call, not as a name imported before the fit.
+    at each call and hands it the parameters (torch 2.11-2.15). ``clip_grad_value_`` and the public
+    ``clip_grads_with_norm_`` (the second half of ``get_total_norm`` then ``clip_grads_with_norm_``) are covered
+    where they are looked up in ``torch.nn.utils`` (or ``torch.nn.utils.clip_grad``) at the call, not as names
+    imported before the fit.
     """
     clip_grad = torch.nn.utils.clip_grad
     by_norm, by_value = clip_grad._clip_grads_with_norm_, clip_grad.clip_grad_value_
+    public = [name for name in ("clip_grads_with_norm_",) if hasattr(torch.nn.utils, name)]
 
     def checked(function: Callable[..., Any], name: str) -> Callable[..., Any]:
         @functools.wraps(function)
@@ -136,6 +139,7 @@ def guard_gradient_clipping(check: Callable[[str, list[torch.Tensor]], None]) ->
         (clip_grad, "_clip_grads_with_norm_", checked(by_norm, "clip_grad_norm_")),
         (clip_grad, "clip_grad_value_", checked(by_value, "clip_grad_value_")),
         (torch.nn.utils, "clip_grad_value_", checked(by_value, "clip_grad_value_")),
+        *[(torch.nn.utils, name, checked(getattr(torch.nn.utils, name), name)) for name in public],
     ]
     originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
     for module, name, patched in patches:

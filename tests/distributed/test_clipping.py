@@ -106,6 +106,10 @@ class ClipsWithTorch(pl.LightningModule):
         params = self.unused.parameters() if self.how == "plain" else self.generator.parameters()
         if self.how == "value":
             torch.nn.utils.clip_grad_value_(params, CLIP)
+        elif self.how == "with_norm":  # torch's two halves of clip_grad_norm_
+            params = list(params)
+            total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            torch.nn.utils.clip_grads_with_norm_(params, CLIP, total)
         elif self.how == "imported":
             clip_grad_norm_(params, CLIP)
         else:
@@ -134,23 +138,25 @@ def clip_with_torch(cases: list[str]) -> dict[str, str]:
     results["restored"] = str(
         clip_grad.clip_grad_value_ is torch.nn.utils.clip_grad_value_ is ORIGINAL_VALUE
         and clip_grad._clip_grads_with_norm_ is ORIGINAL_NORM
+        and torch.nn.utils.clip_grads_with_norm_ is ORIGINAL_WITH_NORM
     )
     return results
 
 
 ORIGINAL_VALUE = torch.nn.utils.clip_grad_value_
 ORIGINAL_NORM = torch.nn.utils.clip_grad._clip_grads_with_norm_
+ORIGINAL_WITH_NORM = torch.nn.utils.clip_grads_with_norm_
 
 
 def test_torch_clipping_over_an_engine_is_refused_at_the_call() -> None:
     """Under DDP ``param.grad`` is averaged by then; here it is each rank's own (ZeRO-0/1) or None (ZeRO-2/3)."""
-    cases = ["norm:0", "norm:2", "norm:3", "imported:1", "value:2", "plain:2"]
+    cases = ["norm:0", "norm:2", "norm:3", "imported:1", "value:2", "with_norm:0", "plain:2"]
     for rank, results in enumerate(on_ranks(clip_with_torch, cases, timeout=300)):
         assert results.pop("plain:2") == "ok", f"rank {rank}: a plain submodule's clipping is torch's own"
         assert results.pop("restored") == "True", f"rank {rank}: teardown puts torch's functions back"
         for case, message in results.items():
             how, stage = case.split(":")
-            function = "clip_grad_value_" if how == "value" else "clip_grad_norm_"
+            function = {"value": "clip_grad_value_", "with_norm": "clip_grads_with_norm_"}.get(how, "clip_grad_norm_")
             expected = f"`torch.nn.utils.{function}` over the parameters of engine 'generator' (ZeRO-{stage})"
             assert message.startswith(expected), f"rank {rank}, {case}: {message}"
             held = "None" if int(stage) >= 2 else "this rank's own gradient"
