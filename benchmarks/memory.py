@@ -51,6 +51,7 @@ from common import BARE, formula
 from overhead import S, discriminator_loss, gan_modules, generator_loss, mlp
 
 from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids._compat.deepspeed import whole_numel
 from lightning_multids._config import DEEPSPEED_ZERO3, engine_config
 from lightning_multids._environment import keep_extensions_in_environment
 
@@ -163,7 +164,7 @@ def states(stage: int) -> None:
     n = torch.distributed.get_world_size()
     if torch.distributed.get_rank() == 0:
         for name, result in (("generator", measured_g), ("discriminator", measured)):
-            psi = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engines[name].module.parameters())
+            psi = whole_size(engines[name].module)
             total = result["parameters"] + result["gradients"] + result["optimizer"]
             expected, laid_out = formula(stage, psi, n), layout(stage, engines[name], psi, n)
             print(
@@ -208,21 +209,35 @@ class BigTeacherDistill(pl.LightningModule):
         return torch.optim.Adam(self.student.parameters())
 
 
-def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, deepspeed_defaults: bool) -> None:
-    """Print this rank's peak resident memory after a short distillation fit."""
-    module = BigTeacherDistill(teacher_hidden, teacher_layers)
-    teacher = {"stage": teacher_stage, **(DEEPSPEED_ZERO3 if deepspeed_defaults else {})}
+def whole_size(module: torch.nn.Module) -> int:
+    """The module's number of parameters, whole, also where ZeRO-3 holds partitions of them."""
+    return sum(whole_numel(p) for p in module.parameters())
+
+
+def fit_distillation(
+    module: BigTeacherDistill, teacher: dict[str, Any], accelerator: str, precision: str
+) -> pl.Trainer:
+    """Five steps of ``module`` with a ZeRO-2 student and the teacher's ``zero_optimization`` section ``teacher``."""
     strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": teacher}})
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         strategy=strategy,
+        precision=precision,  # type: ignore[arg-type]
         max_steps=5,
         **BARE,
     )
     data = torch.utils.data.TensorDataset(torch.randn(S["batch"] * 20, S["image"]))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=S["batch"]))
-    teacher_numel = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in module.teacher.parameters())
+    return trainer
+
+
+def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, deepspeed_defaults: bool) -> None:
+    """Print this rank's peak resident memory after a short distillation fit."""
+    module = BigTeacherDistill(teacher_hidden, teacher_layers)
+    teacher = {"stage": teacher_stage, **(DEEPSPEED_ZERO3 if deepspeed_defaults else {})}
+    trainer = fit_distillation(module, teacher, "cpu", "32-true")
+    teacher_numel = whole_size(module.teacher)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     peaks = [torch.zeros(1) for _ in range(trainer.world_size)]
     torch.distributed.all_gather(peaks, torch.tensor([rss]))
@@ -239,27 +254,14 @@ def peak(teacher_stage: int, teacher_hidden: int, teacher_layers: int, deepspeed
 def gpu_peak(args: argparse.Namespace) -> None:
     """Print this rank's peak GPU memory in a short distillation fit, and its peak while the teacher runs."""
     module = BigTeacherDistill(args.teacher_hidden, args.teacher_layers, args.student_hidden, args.offload)
-    teacher = {"stage": args.teacher_stage}
-    strategy = MultiDeepSpeedStrategy(stage=2, engine_configs={"teacher": {"zero_optimization": teacher}})
-    trainer = pl.Trainer(
-        accelerator="gpu",
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        strategy=strategy,
-        precision=args.precision,
-        max_steps=5,
-        **BARE,
-    )
     torch.cuda.reset_peak_memory_stats()
-    data = torch.utils.data.TensorDataset(torch.randn(S["batch"] * 20, S["image"]))
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=S["batch"]))
+    trainer = fit_distillation(module, {"stage": args.teacher_stage}, "gpu", args.precision)
     fit_peak = max(module.fit_peak, torch.cuda.max_memory_allocated())  # setup, steps and teardown
-    numel = {name: sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in getattr(module, name).parameters())
-             for name in ("teacher", "student")}  # fmt: skip
     if trainer.is_global_zero:
         print(
             f"| {args.precision} | teacher ZeRO-{args.teacher_stage} | "
             f"{'student offloaded' if args.offload else 'student on the GPU'} | "
-            f"teacher {numel['teacher'] / 1e6:.0f} M, student {numel['student'] / 1e6:.0f} M | "
+            f"teacher {whole_size(module.teacher) / 1e6:.0f} M, student {whole_size(module.student) / 1e6:.0f} M | "
             f"{fit_peak / 2**20:.0f} | {max(module.teacher_peaks) / 2**20:.0f} |",
             flush=True,
         )
