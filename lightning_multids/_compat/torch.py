@@ -122,9 +122,7 @@ def guard_gradient_clipping(check: Callable[[str, list[torch.Tensor]], None]) ->
     where they are looked up in ``torch.nn.utils`` (or ``torch.nn.utils.clip_grad``) at the call, not as names
     imported before the fit.
     """
-    clip_grad = torch.nn.utils.clip_grad
-    by_norm, by_value = clip_grad._clip_grads_with_norm_, clip_grad.clip_grad_value_
-    public = [name for name in ("clip_grads_with_norm_",) if hasattr(torch.nn.utils, name)]
+    clip_grad, utils = torch.nn.utils.clip_grad, torch.nn.utils
 
     def checked(function: Callable[..., Any], name: str) -> Callable[..., Any]:
         @functools.wraps(function)
@@ -135,11 +133,12 @@ def guard_gradient_clipping(check: Callable[[str, list[torch.Tensor]], None]) ->
 
         return clip
 
+    by_value = checked(clip_grad.clip_grad_value_, "clip_grad_value_")
     patches = [
-        (clip_grad, "_clip_grads_with_norm_", checked(by_norm, "clip_grad_norm_")),
-        (clip_grad, "clip_grad_value_", checked(by_value, "clip_grad_value_")),
-        (torch.nn.utils, "clip_grad_value_", checked(by_value, "clip_grad_value_")),
-        *[(torch.nn.utils, name, checked(getattr(torch.nn.utils, name), name)) for name in public],
+        (clip_grad, "_clip_grads_with_norm_", checked(clip_grad._clip_grads_with_norm_, "clip_grad_norm_")),
+        (clip_grad, "clip_grad_value_", by_value),
+        (utils, "clip_grad_value_", by_value),
+        (utils, "clip_grads_with_norm_", checked(utils.clip_grads_with_norm_, "clip_grads_with_norm_")),
     ]
     originals = [(module, name, getattr(module, name)) for module, name, _ in patches]
     for module, name, patched in patches:
