@@ -51,10 +51,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/lightning-multids fit --config configs/gan.yaml
 
-# The README's test command: CI's three lanes, then the README's own commands run as printed on a fresh clone
-# of HEAD (tests/readme), from the pinned lane's venv.
-test-all: test-pinned test-oldest test-newest
-	$(MAKE) lane LANE="$(PINNED_LANE)" LANE_TARGETS=test-readme
+# The README's test command: CI's three lanes, and beside them (.ci/beside.sh) the README's own commands run as
+# printed on a fresh clone of HEAD (tests/readme), from the pinned lane's venv, which is made first.
+test-all:
+	$(MAKE) lane LANE="$(PINNED_LANE)" LANE_TARGETS=install
+	bash .ci/beside.sh "the doc test" '$(MAKE) lane LANE="$(PINNED_LANE)" LANE_TARGETS=test-readme' \
+		$(MAKE) test-pinned test-oldest test-newest
 
 test: lint typecheck pytest
 

@@ -55,8 +55,26 @@ def run_ranks(
     With ``nodes=2`` each process is its own node (``NODE_RANK`` 0 and 1, ``LOCAL_RANK`` 0), as two
     machines would be launched, over loopback. ``fresh=True`` starts each rank as a new interpreter rather than
     forking it from the fork server (see the module's text).
+
+    The port is free when chosen, but another process (a concurrent test run, the doc test's commands beside the
+    lanes, a pytest-xdist worker) can bind it before rank 0 does: a launch that failed on that alone
+    (``EADDRINUSE``, raised where the process group starts) runs once more on another port.
     """
-    environments = rank_environments(world_size, env or {}, nodes)
+    try:
+        return _launch(script, args, rank_environments(world_size, env or {}, nodes), timeout, fresh)
+    except AssertionError as error:
+        if PORT_TAKEN not in str(error):
+            raise
+    return _launch(script, args, rank_environments(world_size, env or {}, nodes), timeout, fresh)
+
+
+PORT_TAKEN = "EADDRINUSE"
+"""What torch's TCP store fails with when the launch's port was taken (its ``DistNetworkError``)."""
+
+
+def _launch(
+    script: Path, args: tuple[str, ...], environments: list[dict[str, str]], timeout: float, fresh: bool
+) -> list[str]:
     if fresh or FRESH_VARIABLE in os.environ or environments[0].get("TEST_ACCELERATOR", "cpu") != "cpu":
         return _run_fresh(script, args, environments, timeout)
     return _run_forked(script, args, environments, timeout)

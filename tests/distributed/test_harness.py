@@ -91,6 +91,31 @@ def test_a_hung_rank_fails_within_its_timeout_and_the_next_launch_runs() -> None
     assert on_ranks(rank_and_argument, 1, timeout=120) == [("0", 2), ("1", 2)]
 
 
+def port_taken_once(marks: str, error: str) -> str:
+    """Fails with ``error`` on the first launch, passes on the next; the launch's port.
+
+    Rank 0 marks each launch with a file named by its port in ``marks``; a launch is the first while no other
+    launch's mark is there.
+    """
+    launches, port = Path(marks), os.environ["MASTER_PORT"]
+    if os.environ["TEST_RANK"] == "0":
+        (launches / port).touch()
+    if not [path for path in launches.iterdir() if path.name != port]:
+        raise RuntimeError(error)
+    return port
+
+
+def test_a_launch_whose_port_was_taken_runs_once_more_and_no_other_failure_does(tmp_path: Path) -> None:
+    taken = "The server socket has failed to listen on any local network address. name: EADDRINUSE"
+    (tmp_path / "taken").mkdir()
+    ports = on_ranks(port_taken_once, str(tmp_path / "taken"), taken, timeout=120)
+    assert ports[0] == ports[1] and len(list((tmp_path / "taken").iterdir())) == 2  # on another port
+    (tmp_path / "other").mkdir()
+    with pytest.raises(AssertionError, match="an error of the test's own"):
+        on_ranks(port_taken_once, str(tmp_path / "other"), "an error of the test's own", timeout=120)
+    assert len(list((tmp_path / "other").iterdir())) == 1
+
+
 def parent() -> int:
     return os.getppid()
 

@@ -56,16 +56,7 @@ FP16 = pytest.mark.skipif(ON_CPU, reason="fp16 does not run on CPU")
 
 
 def on_gpu(function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)``, a test module's rank code, in one process on the GPU; what it returned.
-
-    Under pytest-xdist (``make gpu-check``) another worker's process can take the free port that the harness chose
-    before this rank binds it: that launch, which ran nothing yet, runs once more on another port.
-    """
-    try:
-        return on_ranks(function, *args, world_size=1, env=ONE_GPU, timeout=600)[0]
-    except AssertionError as error:
-        if "EADDRINUSE" not in str(error):
-            raise
+    """``function(*args)``, a test module's rank code, in one process on the GPU; what it returned."""
     return on_ranks(function, *args, world_size=1, env=ONE_GPU, timeout=600)[0]
 
 
