@@ -183,18 +183,22 @@ def refuse_outside_run(call: str, engines: Collection[str], run: str = "`Trainer
 
 @contextmanager
 def gathered(
-    name: str, records: Mapping[str, EngineRecord], arrive: Callable[[str], None] | None = None
+    name: str,
+    records: Mapping[str, EngineRecord],
+    arrive: Callable[[str], None] | None = None,
+    modifier_rank: int | None = None,
 ) -> Iterator[nn.Module]:
     """Make engine ``name``'s submodule whole on this rank for the block, under ``torch.no_grad()``; yield it.
 
     A collective call: every rank enters the block (the gathering and the partitioning are all-gathers). At
     ZeRO-0/1/2 the submodule is whole already and only ``no_grad`` applies. A trained engine's optimizer refuses
     to step inside the block. ``arrive(block)``, where given, returns once every rank is at the block (an
-    :class:`Arrival`), and is called before the gathering.
+    :class:`Arrival`), and is called before the gathering. With ``modifier_rank``, that rank's weights at the end
+    of the block become every rank's, and the fp32 master copy's (:func:`_keep_edits`).
 
     Raises:
         RuntimeError: there are no engines (outside fit, validate, test and predict).
-        ValueError: there is no engine ``name``.
+        ValueError: there is no engine ``name``, or ``modifier_rank`` is no rank.
         BlockError: it is inside a ``gathered`` or ``offloaded`` block already.
     """
     refuse_outside_run(f"gathered({name!r})", records, "`Trainer.fit`, `validate`, `test` and `predict`")
@@ -203,6 +207,7 @@ def gathered(
             f"`gathered({name!r})`: there is no engine {name!r} now (engines: {sorted(records)}). Engines exist "
             "from setup to teardown of fit, validate, test and predict; name a submodule that has one."
         )
+    _check_modifier_rank(name, modifier_rank)
     record = records[name]
     block = f"strategy.gathered({name!r})"
     with inside(f"gathered({name!r})", block, [record]):
@@ -210,13 +215,41 @@ def gathered(
         params = [param for param in engine.module.parameters() if is_zero_param(param)]
         if params and arrive is not None:
             arrive(block)
-        with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)):
+        with (
+            torch.no_grad(),
+            deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank, enabled=bool(params)),
+        ):
             restore = ds_compat.suspend_zero3_hooks(engine) if params else None
             try:
                 yield engine.module
+                if modifier_rank is not None:
+                    _keep_edits(engine, modifier_rank)
             finally:
                 if restore is not None:
                     restore()
+
+
+def _check_modifier_rank(name: str, modifier_rank: int | None) -> None:
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if modifier_rank is not None and (isinstance(modifier_rank, bool) or modifier_rank not in range(world)):
+        raise ValueError(
+            f"`gathered({name!r}, modifier_rank={modifier_rank!r})`: the modifier rank is the global rank whose "
+            f"edits every rank keeps, one of 0 to {world - 1}; pass one of those (0 is rank zero), or None to read."
+        )
+
+
+def _keep_edits(engine: DeepSpeedEngine, modifier_rank: int) -> None:
+    """Make ``modifier_rank``'s whole weights of ``engine`` every rank's, and its optimizer's fp32 master copy's.
+
+    Inside the block, so the weights are whole at every stage. At ZeRO-3 DeepSpeed's ``GatheredParameters``
+    broadcasts them again as it ends and writes each rank's partition from them.
+    """
+    params = list(engine.module.parameters())
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        for param in params:
+            torch.distributed.broadcast(param.data, src=modifier_rank)
+    for param in params:
+        ds_compat.set_master_weights(param)
 
 
 @contextmanager

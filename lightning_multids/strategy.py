@@ -393,8 +393,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             yield
 
     @contextmanager
-    def gathered(self, name: str) -> Iterator[torch.nn.Module]:
-        """Make the ZeRO-3 engine ``name``'s submodule whole for the block, for generation or evaluation; yield it.
+    def gathered(self, name: str, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
+        """Make the ZeRO-3 engine ``name``'s submodule whole for the block (generation, evaluation, edits); yield it.
 
         ZeRO-3 gathers a submodule layer by layer at each forward, so an autoregressive loop gathers the whole
         model once per token. Inside the block it is gathered once and runs as a plain module, under
@@ -403,11 +403,22 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             with self.trainer.strategy.gathered("actor") as actor:
                 sequences = actor.generate(prompts, length)
 
-        The block is for reading: a change to the weights inside it is dropped when the block ends (and what
-        ``trainer.save_checkpoint`` writes inside it is what the block holds then). The whole submodule, in its
-        engine's dtype, is on every rank during the block. At ZeRO-0/1/2 it is whole
+        The whole submodule, in its engine's dtype, is on every rank during the block. At ZeRO-0/1/2 it is whole
         anyway and only ``no_grad`` applies; so it is under ``validate``/``test``/``predict``, where only ZeRO-3
         submodules get an engine and the others are plain.
+
+        By default the block is for reading: a change to the weights inside it is dropped when the block ends (and
+        what ``trainer.save_checkpoint`` writes inside it is what the block holds then). With ``modifier_rank=r``
+        (as DeepSpeed's ``GatheredParameters``) it is for editing weights between steps, at any stage: when the
+        block ends without an exception, rank ``r``'s weights become every rank's and the optimizer's fp32 master
+        copy takes them, so the next step trains from them (in bf16, the elements the edit left unchanged keep
+        their fp32 values). At ZeRO-3 this is the way to edit weights (a clamp, a normalisation,
+        ``load_state_dict``) between steps: outside ``forward`` and this block each parameter is an empty
+        partition, and an in-place edit of it changes nothing::
+
+            with self.trainer.strategy.gathered("critic", modifier_rank=0) as critic:
+                for param in critic.parameters():
+                    param.clamp_(-0.01, 0.01)
         """
         engines = self._engine_set
         plain = None if name in engines.engines else self._whole_outside_fit(name)
@@ -415,7 +426,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             with torch.no_grad():
                 yield plain
             return
-        with gathered(name, engines.records, self._arrival) as module:
+        with gathered(name, engines.records, self._arrival, modifier_rank=modifier_rank) as module:
             yield module
 
     def _whole_outside_fit(self, name: str) -> torch.nn.Module | None:

@@ -47,7 +47,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils import groups as ds_groups
-from deepspeed.utils import safe_get_full_grad
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_fp32_param
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch.optim import Optimizer
@@ -432,12 +432,13 @@ def take_weight_edits(engine: DeepSpeedEngine) -> None:
     master partition takes the module's partition (``parallel_partitioned_bit16_groups`` /
     ``bf16_partitioned_groups``; ``FP16_UnfusedOptimizer``'s ``fp16_groups`` and ``fp32_groups`` per parameter, which
     DeepSpeed uses for bf16 at ZeRO-0 with a torch optimizer) where they differ: in fp32 a copy; in bf16 the elements
-    whose bf16 value is no longer the master's rounded, so that unedited weights keep their fp32 precision. Not for
-    an offloaded optimizer (its master copy is in host memory), fp16's ``FP16_Optimizer`` (untested here: fp16 needs
-    a GPU), nor ZeRO-3, whose weights outside ``forward`` are partitions.
+    whose bf16 value is no longer the master's rounded, so that unedited weights keep their fp32 precision; with an
+    offloaded optimizer the master copy is in host memory, and the weights are read there. Not for fp16's
+    ``FP16_Optimizer`` (untested here: fp16 needs a GPU), nor ZeRO-3, whose weights outside ``forward`` are empty
+    partitions (edits go through ``gathered(name, modifier_rank=...)``, :func:`set_master_weights`).
     """
     optimizer = engine.optimizer
-    if isinstance(optimizer, DeepSpeedZeroOptimizer) and not optimizer.cpu_offload:
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
         low, high = optimizer.parallel_partitioned_bit16_groups, optimizer.single_partition_of_fp32_groups
     elif isinstance(optimizer, BF16_Optimizer):
         low, high = optimizer.bf16_partitioned_groups, optimizer.fp32_groups_flat_partition
@@ -453,11 +454,52 @@ def take_weight_edits(engine: DeepSpeedEngine) -> None:
 
 
 def _take_edits(weights: torch.Tensor, master: torch.Tensor) -> None:
-    """Set ``master`` to ``weights`` where ``weights`` is no longer ``master`` in its dtype (all of it in one dtype)."""
+    """Set ``master`` to ``weights`` where ``weights`` is no longer ``master`` in its dtype (all of it in one dtype).
+
+    An offloaded optimizer's ``master`` is in host memory: ``weights`` are read there.
+    """
+    weights = weights.to(master.device)
     if weights.dtype == master.dtype:
         master.copy_(weights)
     else:
         torch.where(weights != master.to(weights.dtype), weights, master, out=master)
+
+
+@torch.no_grad()
+def set_master_weights(param: torch.nn.Parameter) -> None:
+    """Set the fp32 master copy of a whole trained ``param`` (ZeRO-1/2/3, bf16) to ``param``'s values; a collective.
+
+    With DeepSpeed's ``safe_get_full_fp32_param`` and, at ZeRO-1/2 and bf16 at ZeRO-0, ``safe_set_full_fp32_param``.
+    In a 16-bit dtype only the elements whose value is no longer the master's rounded take it, as in
+    :func:`take_weight_edits`. Nothing for a parameter without a master copy (frozen; ZeRO-0 in fp32, whose
+    optimizer steps the module's own weights; ZeRO-0 in bf16 with a torch optimizer, which
+    :func:`take_weight_edits` carries at the step). Every rank calls it for the same parameters in the same order.
+    """
+    master = safe_get_full_fp32_param(param)
+    if master is None:
+        return
+    value = param.data.to(master.device).reshape(master.shape)
+    if value.dtype != master.dtype:
+        value = torch.where(value != master.to(value.dtype), value.to(master.dtype), master)
+    if hasattr(param, "ds_id"):
+        _set_zero3_master(param, value)
+    else:
+        safe_set_full_fp32_param(param, value)
+
+
+def _set_zero3_master(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set this rank's part of ZeRO-3's fp32 partition of ``param`` from its whole fp32 ``value``.
+
+    DeepSpeed's own ``set_full_hp_param`` (0.19.8) reads a whole partition's length from ``value`` on every rank,
+    past the end of a parameter whose size the world size does not divide (the last partition is padded).
+    """
+    optimizer = param._z3_optimizer  # type: ignore[attr-defined]  # DeepSpeed's link, set at ZeRO-3
+    partition, group = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False)
+    flat, start = value.flatten(), partition.numel() * optimizer._get_param_partition_rank(param)
+    count = max(0, min(partition.numel(), flat.numel() - start))
+    partition.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
+    if optimizer._swappable_optimizer_subgroup(group):
+        optimizer._optimizer_states_and_gradient_swap_out(group)
 
 
 def clear_after_step(engine: DeepSpeedEngine) -> None:

@@ -5,6 +5,10 @@ weights from it. A module that loads other weights when training starts (``load_
 ``on_train_start``) and shrinks its weights after every step (``p.data.mul_``, as WGAN's clamp or SwAV's
 normalisation edit them) matches plain PyTorch doing the same: in fp32 to float tolerance, in bf16 within its
 resolution. Adam, so that a step from the wrong weights cannot be undone by the next one.
+
+The same edits inside ``strategy.gathered(name, modifier_rank=0)``, the way for ZeRO-3 (whose weights between steps
+are empty partitions), match too, also where rank 1 edits differently (rank 0's edit is every rank's), and with the
+optimizer offloaded to host memory.
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ from tests.distributed.common import (
 from tests.distributed.harness import on_ranks
 
 STEPS, PER_RANK, SHRINK = 3, 4, 0.8
-CASES = [(1, "32-true"), (2, "32-true"), (0, "bf16-mixed"), (2, "bf16-mixed")]
+OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}
+CASES = [(1, "32-true", None), (2, "32-true", None), (0, "bf16-mixed", None), (2, "bf16-mixed", None)]
+CASES += [(2, "bf16-mixed", OFFLOAD)]
+IN_BLOCK = [(3, "32-true", None), (3, "bf16-mixed", OFFLOAD), (2, "32-true", None)]
 
 
-def shrink(model: nn.Module) -> None:
+def shrink(model: nn.Module, factor: float = SHRINK) -> None:
     for param in model.parameters():
-        param.data.mul_(SHRINK)
+        param.data.mul_(factor)
 
 
 class Edited(pl.LightningModule):
@@ -58,14 +65,32 @@ class Edited(pl.LightningModule):
         return sharded_loader(self, regression_data(STEPS, PER_RANK), batch_size=PER_RANK)
 
 
+class EditedInBlock(Edited):
+    """:class:`Edited`'s edits inside ``gathered(modifier_rank=0)``; rank 1 shrinks by another factor, dropped."""
+
+    def on_train_start(self) -> None:
+        with self.trainer.strategy.gathered("net", modifier_rank=0) as net:
+            net.load_state_dict(regression_model(7 if self.global_rank == 0 else 8).state_dict())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(regression_loss(self.net, batch))
+        opt.step()
+        with self.trainer.strategy.gathered("net", modifier_rank=0) as net:
+            shrink(net, SHRINK if self.global_rank == 0 else 0.5)
+
+
 def fit_edited() -> list[dict[str, torch.Tensor]]:
-    """On each rank: the weights after each case's fit."""
+    """On each rank: the weights after each case's fit, then after each of :data:`IN_BLOCK`'s."""
     weights = []
-    for stage, precision in CASES:
-        at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
-        options = {"use_distributed_sampler": False, "enable_checkpointing": False, "precision": precision}
-        cpu_trainer(MultiDeepSpeedStrategy(stage=stage), callbacks=[at_end], **options).fit(Edited())
-        weights.append({key: value.float() for key, value in at_end.value.items()})
+    for module, cases in [(Edited, CASES), (EditedInBlock, IN_BLOCK)]:
+        for stage, precision, config in cases:
+            at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
+            options = {"use_distributed_sampler": False, "enable_checkpointing": False, "precision": precision}
+            strategy = MultiDeepSpeedStrategy(stage=stage, config=config)
+            cpu_trainer(strategy, callbacks=[at_end], **options).fit(module())
+            weights.append({key: value.float() for key, value in at_end.value.items()})
     return weights
 
 
@@ -83,13 +108,30 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def fits() -> list[dict[str, torch.Tensor]]:
-    return on_ranks(fit_edited)[0]
+def fits() -> list[list[dict[str, torch.Tensor]]]:
+    """Each rank's weights after each case (:data:`CASES`, then :data:`IN_BLOCK`)."""
+    return on_ranks(fit_edited)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"zero{s}-{p}" for s, p in CASES])
-def test_weight_edits_between_steps_reach_the_next_step(fits: list[dict[str, torch.Tensor]], case: int) -> None:
-    expected, precision = reference(), CASES[case][1]
+def case_id(stage: int, precision: str, config: dict | None) -> str:
+    return f"zero{stage}-{precision}" + ("-offload" if config else "")
+
+
+def assert_as_pytorch(fits: list[list[dict[str, torch.Tensor]]], case: int, precision: str) -> None:
+    expected = reference()
     tolerance = 1e-5 if precision == "32-true" else 3e-2  # bf16 keeps ~3 significant digits
-    for key, value in expected.items():
-        assert (fits[case][key] - value).abs().max() < tolerance, key
+    for rank, weights in enumerate(fits):
+        for key, value in expected.items():
+            assert (weights[case][key] - value).abs().max() < tolerance, (rank, key)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[case_id(*case) for case in CASES])
+def test_weight_edits_between_steps_reach_the_next_step(fits: list[list[dict[str, torch.Tensor]]], case: int) -> None:
+    assert_as_pytorch(fits, case, CASES[case][1])
+
+
+@pytest.mark.parametrize("case", range(len(IN_BLOCK)), ids=[case_id(*case) for case in IN_BLOCK])
+def test_weight_edits_in_a_gathered_block_with_a_modifier_rank_reach_the_next_step(
+    fits: list[list[dict[str, torch.Tensor]]], case: int
+) -> None:
+    assert_as_pytorch(fits, len(CASES) + case, IN_BLOCK[case][1])
