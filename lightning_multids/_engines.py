@@ -24,7 +24,7 @@ from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._config import merge
 from lightning_multids._discovery import UNWALKED, reached_engines
 from lightning_multids._ema import Averager
-from lightning_multids._gradients import full_gradients
+from lightning_multids._gradients import clipped, full_gradients
 from lightning_multids._optimizer import EngineOptimizer
 from lightning_multids._precision import engine_dtype, loss_scaling
 from lightning_multids._routing import Router, refuse_uneven_zero3
@@ -145,8 +145,10 @@ class EngineSet:
                 f"engine {name!r} keeps the block's gradients on each rank, unreduced, until the block ends. Read "
                 "them after the `with` block."
             )
-        present = any(o.has_gradients for o in self.optimizers if o.name == name)
-        return full_gradients(engine, name, present)
+        optimizer = next(o for o in self.optimizers if o.name == name)
+        grads = full_gradients(engine, name, optimizer.has_gradients)
+        max_norm = optimizer.pending_clip
+        return grads if max_norm is None or not grads else clipped(grads, max_norm)
 
     def saved_names(self, save_frozen: bool) -> list[str]:
         """The engines a checkpoint holds: the trainable ones, the EMA engines, and the frozen ones if asked."""

@@ -16,6 +16,18 @@ from deepspeed import DeepSpeedEngine
 from lightning_multids._compat import deepspeed as ds_compat
 
 
+def clipped(grads: dict[str, torch.Tensor], max_norm: float) -> dict[str, torch.Tensor]:
+    """``grads`` as ``clip_grad_norm_(..., max_norm)`` leaves them: scaled to global 2-norm ``max_norm`` if above.
+
+    What ``full_gradients`` returns after ``self.clip_gradients(opt, ...)``, which DeepSpeed applies only inside
+    ``step()``: a hook that reads gradients before the step (``on_before_optimizer_step``) sees them clipped, as
+    under ``DDPStrategy``. The same coefficient as torch's and DeepSpeed's: ``max_norm / (norm + 1e-6)``, at most 1.
+    """
+    total = torch.nn.utils.get_total_norm(list(grads.values()))
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return {key: grad * coefficient for key, grad in grads.items()}
+
+
 def full_gradients(engine: DeepSpeedEngine, name: str, present: bool = True) -> dict[str, torch.Tensor]:
     """Each trainable parameter's gradient, whole and averaged over the ranks, between a backward and ``step()``.
 

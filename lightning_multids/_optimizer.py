@@ -277,6 +277,11 @@ class EngineOptimizer(Optimizer):
             self._state.configured_clipping = float(self.engine.gradient_clipping())
         ds_compat.set_gradient_clipping(self.engine, max_norm)
 
+    @property
+    def pending_clip(self) -> float | None:
+        """The global norm a :meth:`clip_next_step` since the last clear will clip to in ``step()``; else None."""
+        return None if self._state.configured_clipping is None else float(self.engine.gradient_clipping())
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this engine's gradients, local and already reduced, and forget a pending :meth:`clip_next_step`.
 

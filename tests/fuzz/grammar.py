@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+EDIT_FACTOR = 0.9
+"""What a phase's ``edit`` multiplies the owner's weights by."""
 FEATURES = 4
 """Every submodule maps ``FEATURES`` inputs to ``FEATURES`` outputs, so any chain of calls composes."""
 GLOBAL_BATCH = 8
@@ -108,6 +110,12 @@ class Phase:
     """Compute a chain prefix once per loss and reuse it: ``fake = G(z)``, then ``D(fake.detach())``, ``D(fake)``."""
     plain_backward: bool = False
     """``loss.backward()`` instead of ``self.manual_backward(loss)``."""
+    clip: float = 0.0
+    """Where the owner steps in the phase: ``self.clip_gradients(opt, gradient_clip_val=clip)`` (norm) before its
+    step; 0: no clipping."""
+    edit: str = "none"
+    """After the phase, the owner's weights times :data:`EDIT_FACTOR`: ``"plain"`` (``p.data.mul_``) or ``"block"``
+    (inside ``strategy.gathered(owner, modifier_rank=0)``, where rank 1 multiplies by another factor, dropped)."""
 
 
 @dataclass
@@ -195,10 +203,12 @@ class Switches:
     ema: bool = True
     shared_params: bool = True
     resume: bool = True
+    touches: bool = True
+    """Clipping before a step and weight edits after a phase (drawn last: a seed's case is otherwise the same)."""
 
 
 FULL = Switches()
-BEFORE_RESUME = Switches(shared_params=False, resume=False)
+BEFORE_RESUME = Switches(shared_params=False, resume=False, touches=False)
 """The grammar before shared layers and resumes were added: the seeds chosen then draw the same cases in it."""
 SAFE = Switches(
     offload=False,  # known defect 2: ZeRO-2 + offload_optimizer keeps gradients that zero_grad() should drop
@@ -209,10 +219,13 @@ SAFE = Switches(
     call_checkpoints=("non_reentrant",),  # known defect 6: an engine called plainly and in a reentrant checkpoint
     shared_params=False,  # drawn after the six defects' seeds were chosen: left out so those seeds draw alike
     resume=False,
+    touches=False,
 )
 """The dimensions of :data:`FULL` without those of the six defects known on 2026-11-24."""
 SAFE_RESUMING = dataclasses.replace(SAFE, shared_params=True, resume=True)
 """:data:`SAFE` with shared layers and resumes (stages changed, saves inside ``gathered``, engines dropped)."""
+SAFE_TOUCHING = dataclasses.replace(SAFE_RESUMING, touches=True)
+""":data:`SAFE_RESUMING` with clipping and weight edits."""
 
 
 def chance(rng: random.Random, p: float, allowed: bool = True) -> bool:
@@ -303,7 +316,22 @@ def draw_case(seed: int, rng: random.Random, switches: Switches) -> Case:
     case.read_before_step = chance(rng, 0.25, switches.read_before_step)
     draw_sharing(rng, case, switches)
     case.resume = draw_resume(rng, case, switches)
+    for phase in case.phases:
+        draw_touches(rng, case, phase, switches)
     return case
+
+
+def draw_touches(rng: random.Random, case: Case, phase: Phase, switches: Switches) -> None:
+    """Maybe clipping before the owner's step and an edit of its weights after the phase.
+
+    A plain edit of a ZeRO-3 engine's weights changes nothing (they are empty partitions between steps; a documented
+    limitation): at ZeRO-3, before or after a resume, the edit is made in a ``gathered`` block.
+    """
+    if chance(rng, 0.25, switches.touches):
+        phase.clip = rng.choice((0.05, 0.5))
+    if chance(rng, 0.3, switches.touches):
+        stages = {case.engine(phase.owner).stage, case.resume.stages.get(phase.owner, 0) if case.resume else 0}
+        phase.edit = "block" if 3 in stages or rng.random() < 0.5 else "plain"
 
 
 def draw_sharing(rng: random.Random, case: Case, switches: Switches) -> None:
@@ -458,7 +486,7 @@ def _referred(case: Case) -> set[str]:
 Edit = SetField | Drop | DropEngine
 
 PHASE_DEFAULTS = {"micro": 1, "toggle": False, "no_sync": "off", "shared": False, "plain_backward": False}
-PHASE_DEFAULTS |= {"zero_grad": "after", "step": "owner"}
+PHASE_DEFAULTS |= {"zero_grad": "after", "step": "owner", "clip": 0.0, "edit": "none"}
 TERM_DEFAULTS = {"penalty": False, "gate": "always", "scale": "const", "weight": 1.0, "target": "zero", "source": "x"}
 CALL_DEFAULTS = {"detach": False, "no_grad": False, "checkpoint": None}
 ENGINE_DEFAULTS = {"offload": False, "fp32_grad_accum": False, "inner_checkpoint": None, "shares": None, "hidden": 4}

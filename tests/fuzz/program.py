@@ -42,6 +42,12 @@ class Backend(Protocol):
 
     def no_sync(self, names: list[str]) -> contextlib.AbstractContextManager: ...
 
+    def clip(self, name: str, max_norm: float) -> None:
+        """Clip ``name``'s gradients to global norm ``max_norm`` for its coming step."""
+
+    def edit(self, name: str, how: str) -> None:
+        """Multiply ``name``'s weights by ``EDIT_FACTOR``, as ``Phase.edit`` says (``"plain"`` or ``"block"``)."""
+
 
 # ---- modules and data ------------------------------------------------------------------------------------
 
@@ -203,10 +209,14 @@ def run_phase(backend: Backend, case: Case, phase: Phase, modules: dict[str, nn.
                 if name not in phase.steps:
                     backend.zero_grad(name)
         for name in phase.steps:
+            if phase.clip and name == phase.owner:
+                backend.clip(name, phase.clip)
             backend.step(name)
     if phase.zero_grad == "after":
         for name in phase.steps:
             backend.zero_grad(name)
+    if phase.edit != "none":
+        backend.edit(phase.owner, phase.edit)
 
 
 def training_step(backend: Backend, case: Case, modules: dict[str, nn.Module], batch_idx: int) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from tests.fuzz import program
-from tests.fuzz.grammar import WORLD_SIZE, Case, Phase
+from tests.fuzz.grammar import EDIT_FACTOR, WORLD_SIZE, Case, Phase
 
 Grads = dict[str, torch.Tensor]
 
@@ -151,6 +151,14 @@ class ReferenceBackend:
 
     def no_sync(self, names: list[str]) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the same mathematics with or without it
+
+    def clip(self, name: str, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.modules[name].parameters(), max_norm)  # the averaged gradients, as DDP's
+
+    def edit(self, name: str, how: str) -> None:
+        with torch.no_grad():
+            for p in self.modules[name].parameters():
+                p.mul_(EDIT_FACTOR)
 
 
 def move_towards(average: nn.Module, source: nn.Module, weight: float) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 from lightning_multids import MultiDeepSpeedStrategy
 from tests.distributed.common import cpu_trainer, finish, sharded_loader
 from tests.fuzz import grammar, program
-from tests.fuzz.grammar import GLOBAL_BATCH, WORLD_SIZE, Case, Engine, Phase
+from tests.fuzz.grammar import EDIT_FACTOR, GLOBAL_BATCH, WORLD_SIZE, Case, Engine, Phase
 
 warnings.filterwarnings("ignore")
 
@@ -62,6 +62,19 @@ class StrategyBackend:
 
     def no_sync(self, names: list[str]) -> contextlib.AbstractContextManager:
         return self.module.trainer.strategy.no_sync(*names)  # type: ignore[attr-defined]
+
+    def clip(self, name: str, max_norm: float) -> None:
+        self.module.clip_gradients(self.optimizers[name], gradient_clip_val=max_norm, gradient_clip_algorithm="norm")
+
+    def edit(self, name: str, how: str) -> None:
+        if how == "plain":
+            for p in getattr(self.module, name).parameters():
+                p.data.mul_(EDIT_FACTOR)
+            return
+        factor = EDIT_FACTOR if self.module.global_rank == 0 else 0.5  # rank 0's edit is every rank's
+        with self.module.trainer.strategy.gathered(name, modifier_rank=0) as module:  # type: ignore[attr-defined]
+            for p in module.parameters():
+                p.mul_(factor)
 
 
 class FuzzModule(pl.LightningModule):
