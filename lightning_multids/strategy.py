@@ -559,6 +559,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         filepath = checkpoints.local_path(self.broadcast(str(filepath)), "`trainer.save_checkpoint`'s path")
         engines, frozen = engine_set.engines, engine_set.frozen_names()
         saved = engine_set.saved_names(self.save_frozen)
+        for name in saved:  # an edit of the weights since the last step is in the module's weights, as DDP saves them
+            if name not in frozen:
+                ds_compat.take_weight_edits(engines[name])
         averager = engine_set.averager
         # Lightning dumps no optimizer states for `save_weights_only=True` / `weights_only=True`: every engine's
         # weights alone, as DDP writes the module's state dict alone.

@@ -13,12 +13,15 @@ optimizer offloaded to host memory.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids.checkpoint import consolidated_state_dicts
 from tests.distributed.common import (
     AtFitEnd,
     cpu_trainer,
@@ -81,17 +84,23 @@ class EditedInBlock(Edited):
             shrink(net, SHRINK if self.global_rank == 0 else 0.5)
 
 
-def fit_edited() -> list[dict[str, torch.Tensor]]:
-    """On each rank: the weights after each case's fit, then after each of :data:`IN_BLOCK`'s."""
-    weights = []
+def fit_edited(folder: str) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """On each rank: the weights after each case's fit, then after each of :data:`IN_BLOCK`'s; and for each of
+    :data:`CASES`, the weights of a checkpoint saved after its fit (in ``folder``), as ``export`` reads them."""
+    weights, saved = [], []
     for module, cases in [(Edited, CASES), (EditedInBlock, IN_BLOCK)]:
         for stage, precision, config in cases:
             at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
             options = {"use_distributed_sampler": False, "enable_checkpointing": False, "precision": precision}
             strategy = MultiDeepSpeedStrategy(stage=stage, config=config)
-            cpu_trainer(strategy, callbacks=[at_end], **options).fit(module())
+            trainer = cpu_trainer(strategy, callbacks=[at_end], **options)
+            trainer.fit(module())
             weights.append({key: value.float() for key, value in at_end.value.items()})
-    return weights
+            if module is Edited:
+                path = Path(folder) / f"case{len(saved)}.ckpt"
+                trainer.save_checkpoint(path)
+                saved.append({f"net.{k}": v for k, v in consolidated_state_dicts(path)["net"].items()})
+    return weights, saved
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -108,9 +117,14 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def fits() -> list[list[dict[str, torch.Tensor]]]:
+def launch(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[list, list]]:
+    return on_ranks(fit_edited, str(tmp_path_factory.mktemp("edited")))
+
+
+@pytest.fixture(scope="module")
+def fits(launch: list[tuple[list, list]]) -> list[list[dict[str, torch.Tensor]]]:
     """Each rank's weights after each case (:data:`CASES`, then :data:`IN_BLOCK`)."""
-    return on_ranks(fit_edited)
+    return [weights for weights, _ in launch]
 
 
 def case_id(stage: int, precision: str, config: dict | None) -> str:
@@ -128,6 +142,13 @@ def assert_as_pytorch(fits: list[list[dict[str, torch.Tensor]]], case: int, prec
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[case_id(*case) for case in CASES])
 def test_weight_edits_between_steps_reach_the_next_step(fits: list[list[dict[str, torch.Tensor]]], case: int) -> None:
     assert_as_pytorch(fits, case, CASES[case][1])
+
+
+def test_a_checkpoint_saved_after_an_edit_holds_the_edited_weights(launch: list[tuple[list, list]]) -> None:
+    """DDP saves the weights it holds; here a checkpoint holds the fp32 master copy, which takes the edit first."""
+    saved = [checkpoints for _, checkpoints in launch]
+    for case, (_, precision, _) in enumerate(CASES):
+        assert_as_pytorch(saved, case, precision)
 
 
 @pytest.mark.parametrize("case", range(len(IN_BLOCK)), ids=[case_id(*case) for case in IN_BLOCK])
