@@ -150,6 +150,11 @@ class EngineSet:
         max_norm = optimizer.pending_clip
         return grads if max_norm is None or not grads else clipped(grads, max_norm)
 
+    def take_weight_edits(self) -> None:
+        """Carry edits of the trainable engines' weights since their last step into their fp32 master copies."""
+        for optimizer in self.optimizers:
+            ds_compat.take_weight_edits(optimizer.engine)
+
     def saved_names(self, save_frozen: bool) -> list[str]:
         """The engines a checkpoint holds: the trainable ones, the EMA engines, and the frozen ones if asked."""
         averages = set(self.averager.averages) if self.averager is not None else set()

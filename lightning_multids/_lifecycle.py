@@ -220,7 +220,36 @@ def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
     handles = [engine.module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)]
     if dtype == torch.float32:
         handles += autocast_off(engine.module, engine.device.type)
+    if engine.zero_optimization_partition_weights():
+        handles += [
+            module.register_load_state_dict_pre_hook(_refuse_partitioned_load(name))
+            for module in engine.module.modules()
+            if any(True for _ in module.parameters(recurse=False))
+        ]
     return handles
+
+
+def _refuse_partitioned_load(name: str) -> Callable[..., None]:
+    """A ``load_state_dict`` pre-hook of a ZeRO-3 engine's submodule: refuse whole weights into empty partitions.
+
+    Torch would refuse them too, with a size mismatch against ``torch.Size([0])`` that says nothing of why; the
+    strategy's own loads, and DeepSpeed's, load into gathered parameters or load empty ones, and pass.
+    """
+
+    def hook(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
+        for key, param in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + key)
+            if isinstance(value, torch.Tensor) and value.numel() and not param.data.numel() and is_zero_param(param):
+                raise RuntimeError(
+                    f"`load_state_dict` into the ZeRO-3 engine {name!r} outside `strategy.gathered({name!r}, "
+                    f"modifier_rank=0)`: between forwards each of its parameters is an empty partition ({prefix}{key} "
+                    f"holds none of its {value.numel()} elements here), so nothing can be loaded into it. Load inside "
+                    f"the block, on every rank: `with self.trainer.strategy.gathered({name!r}, modifier_rank=0) as "
+                    "module: module.load_state_dict(state)`; rank 0's weights then become every rank's and the "
+                    "optimizer's."
+                )
+
+    return hook
 
 
 def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:

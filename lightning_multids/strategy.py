@@ -559,9 +559,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         filepath = checkpoints.local_path(self.broadcast(str(filepath)), "`trainer.save_checkpoint`'s path")
         engines, frozen = engine_set.engines, engine_set.frozen_names()
         saved = engine_set.saved_names(self.save_frozen)
-        for name in saved:  # an edit of the weights since the last step is in the module's weights, as DDP saves them
-            if name not in frozen:
-                ds_compat.take_weight_edits(engines[name])
+        if engine_set is self._engine_set:  # edits since the last step, in the weights as DDP saves them; after
+            engine_set.take_weight_edits()  # fit, teardown took them before it released the engines
         averager = engine_set.averager
         # Lightning dumps no optimizer states for `save_weights_only=True` / `weights_only=True`: every engine's
         # weights alone, as DDP writes the module's state dict alone.
@@ -674,6 +673,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """
         self._allow_torch_clipping()  # first: torch's own functions must come back even if a release below fails
         self._allow_torch_clipping = _nothing
+        if not self._failed:  # a save after fit reads the master copies: edits since the last step go there first
+            self._engine_set.take_weight_edits()
         release_engines(self._engine_set)
         self._stop_arrival()
         self._loading = None  # a checkpoint read for a setup that did not finish

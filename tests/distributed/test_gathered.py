@@ -96,6 +96,10 @@ class GatheredGAN(pl.LightningModule):
                 pass
         except ValueError as error:
             self.seen["errors"].append(str(error))
+        try:
+            self.generator.load_state_dict(patterns.make_modules()[0].state_dict())
+        except RuntimeError as error:
+            self.seen["errors"].append(str(error))
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         return [patterns.make_optimizer("adam", m.parameters()) for m in (self.generator, self.discriminator)]
@@ -145,10 +149,11 @@ def test_training_after_the_blocks_matches_plain_pytorch(results: list[dict]) ->
 
 def test_misuse_is_refused_and_an_exception_leaves_it_usable(results: list[dict]) -> None:
     for seen in results:
-        raised, nested, unknown, stepped, no_rank = seen["errors"]
+        raised, nested, unknown, stepped, no_rank, loaded = seen["errors"]
         assert raised == "raised inside the block"
         assert "`gathered('generator')`: the engine is inside `strategy.gathered('generator')` already" in nested
         assert "there is no engine 'critic' now (engines: ['discriminator', 'generator', 'teacher'])" in unknown
         assert "`opt.step()` of engine 'generator' inside `strategy.gathered('generator')`" in stepped
         assert "`gathered('generator', modifier_rank=2)`: the modifier rank is the global rank" in no_rank
         assert "one of 0 to 1; pass one of those" in no_rank
+        assert "`load_state_dict` into the ZeRO-3 engine 'generator' outside `strategy.gathered('generator', " in loaded

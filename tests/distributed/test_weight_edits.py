@@ -86,21 +86,34 @@ class EditedInBlock(Edited):
 
 def fit_edited(folder: str) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
     """On each rank: the weights after each case's fit, then after each of :data:`IN_BLOCK`'s; and for each of
-    :data:`CASES`, the weights of a checkpoint saved after its fit (in ``folder``), as ``export`` reads them."""
+    :data:`CASES`, the weights of a checkpoint saved in ``folder`` as training ends (even cases) or after the fit
+    (odd ones), as ``export`` reads them."""
     weights, saved = [], []
     for module, cases in [(Edited, CASES), (EditedInBlock, IN_BLOCK)]:
         for stage, precision, config in cases:
             at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
             options = {"use_distributed_sampler": False, "enable_checkpointing": False, "precision": precision}
             strategy = MultiDeepSpeedStrategy(stage=stage, config=config)
-            trainer = cpu_trainer(strategy, callbacks=[at_end], **options)
+            path, in_fit = Path(folder) / f"case{len(saved)}.ckpt", len(saved) % 2 == 0  # else after fit
+            saves = [SavesAtTrainEnd(path)] if module is Edited and in_fit else []
+            trainer = cpu_trainer(strategy, callbacks=[at_end, *saves], **options)
             trainer.fit(module())
             weights.append({key: value.float() for key, value in at_end.value.items()})
             if module is Edited:
-                path = Path(folder) / f"case{len(saved)}.ckpt"
-                trainer.save_checkpoint(path)
+                if not in_fit:
+                    trainer.save_checkpoint(path)
                 saved.append({f"net.{k}": v for k, v in consolidated_state_dicts(path)["net"].items()})
     return weights, saved
+
+
+class SavesAtTrainEnd(pl.Callback):
+    """``trainer.save_checkpoint(path)`` when training ends, the engines still running (as ``ModelCheckpoint``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
 
 
 def reference() -> dict[str, torch.Tensor]:
@@ -146,7 +159,7 @@ def test_weight_edits_between_steps_reach_the_next_step(fits: list[list[dict[str
 
 def test_a_checkpoint_saved_after_an_edit_holds_the_edited_weights(launch: list[tuple[list, list]]) -> None:
     """DDP saves the weights it holds; here a checkpoint holds the fp32 master copy, which takes the edit first."""
-    saved = [checkpoints for _, checkpoints in launch]
+    saved = [checkpoints for _, checkpoints in launch]  # saved when training ends (even cases) or after fit (odd)
     for case, (_, precision, _) in enumerate(CASES):
         assert_as_pytorch(saved, case, precision)
 
