@@ -155,8 +155,9 @@ class Arrival:
             torch.distributed.all_gather(everyone, mine, group=self.group)
         except RuntimeError as error:
             raise RuntimeError(
-                f"`{block}` did not meet every rank within {self.timeout} ({error}). It gathers the ZeRO-3 "
-                "engine's partitions from every rank, so every rank must enter it, at the same point: don't put it "
+                f"`{block}` did not meet every rank within {self.timeout} ({error}). It gathers a ZeRO-3 "
+                "engine's partitions from every rank, or broadcasts an edit to every rank, so every rank must enter "
+                "it, at the same point: don't put it "
                 "under a condition that differs between ranks (such as `if self.global_rank == 0`). If some ranks "
                 "only arrive later, raise `MultiDeepSpeedStrategy(gathered_timeout=...)`."
             ) from error
@@ -207,13 +208,13 @@ def gathered(
             f"`gathered({name!r})`: there is no engine {name!r} now (engines: {sorted(records)}). Engines exist "
             "from setup to teardown of fit, validate, test and predict; name a submodule that has one."
         )
-    _check_modifier_rank(name, modifier_rank)
+    check_modifier_rank(name, modifier_rank)
     record = records[name]
     block = f"strategy.gathered({name!r})"
     with inside(f"gathered({name!r})", block, [record]):
         engine = record.engine
         params = [param for param in engine.module.parameters() if is_zero_param(param)]
-        if params and arrive is not None:
+        if (params or modifier_rank is not None) and arrive is not None:  # the block's collectives follow
             arrive(block)
         with (
             torch.no_grad(),
@@ -223,13 +224,13 @@ def gathered(
             try:
                 yield engine.module
                 if modifier_rank is not None:
-                    _keep_edits(engine, modifier_rank)
+                    keep_edits(engine.module, modifier_rank, trained=record.optimizer is not None)
             finally:
                 if restore is not None:
                     restore()
 
 
-def _check_modifier_rank(name: str, modifier_rank: int | None) -> None:
+def check_modifier_rank(name: str, modifier_rank: int | None) -> None:
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if modifier_rank is not None and (isinstance(modifier_rank, bool) or modifier_rank not in range(world)):
         raise ValueError(
@@ -238,18 +239,20 @@ def _check_modifier_rank(name: str, modifier_rank: int | None) -> None:
         )
 
 
-def _keep_edits(engine: DeepSpeedEngine, modifier_rank: int) -> None:
-    """Make ``modifier_rank``'s whole weights of ``engine`` every rank's, and its optimizer's fp32 master copy's.
+def keep_edits(module: nn.Module, modifier_rank: int, trained: bool) -> None:
+    """Make ``modifier_rank``'s whole weights of ``module`` every rank's, and the master copy's where ``trained``.
 
-    Inside the block, so the weights are whole at every stage. At ZeRO-3 DeepSpeed's ``GatheredParameters``
-    broadcasts them again as it ends and writes each rank's partition from them.
+    A frozen or EMA engine, or a plain submodule outside fit, has no master copy. Called inside the block, so the
+    weights are whole at every stage. At ZeRO-3 DeepSpeed's ``GatheredParameters`` broadcasts them again as it
+    ends and writes each rank's partition from them.
     """
-    params = list(engine.module.parameters())
+    params = list(module.parameters())
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         for param in params:
             torch.distributed.broadcast(param.data, src=modifier_rank)
-    for param in params:
-        ds_compat.set_master_weights(param)
+    if trained:
+        for param in params:
+            ds_compat.set_master_weights(param)
 
 
 @contextmanager

@@ -29,7 +29,7 @@ from typing_extensions import override
 from lightning_multids import _accelerator as ds_accelerator
 from lightning_multids import _loading as loading
 from lightning_multids import checkpoint as checkpoints
-from lightning_multids._blocks import Arrival, gathered, no_sync, offloaded
+from lightning_multids._blocks import Arrival, check_modifier_rank, gathered, keep_edits, no_sync, offloaded
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat import torch as torch_compat
 from lightning_multids._compat.lightning import (
@@ -285,14 +285,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._finish_loading()
 
     def _start_arrival(self) -> None:
-        """The check-in of :meth:`gathered`, where some engine is ZeRO-3 (the same decision on every rank)."""
+        """The check-in of :meth:`gathered` (a ZeRO-3 engine's gathering, an edit's broadcasts), on several ranks."""
         self._stop_arrival()  # a setup whose teardown did not run: every rank makes a new one alike
-        engines = self._engine_set.engines.values()
-        if (
-            self.world_size > 1
-            and self.gathered_timeout is not None
-            and any(e.zero_optimization_stage() == 3 for e in engines)
-        ):
+        if self.world_size > 1 and self.gathered_timeout is not None and self._engine_set.engines:
             self._arrival = Arrival(self.gathered_timeout)
 
     def _stop_arrival(self) -> None:
@@ -423,8 +418,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         engines = self._engine_set
         plain = None if name in engines.engines else self._whole_outside_fit(name)
         if plain is not None:  # validate/test/predict build engines for ZeRO-3 submodules only
+            check_modifier_rank(name, modifier_rank)
             with torch.no_grad():
                 yield plain
+                if modifier_rank is not None:
+                    keep_edits(plain, modifier_rank, trained=False)
             return
         with gathered(name, engines.records, self._arrival, modifier_rank=modifier_rank) as module:
             yield module

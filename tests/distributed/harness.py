@@ -17,6 +17,7 @@ its own with it).
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import runpy
 import socket
@@ -65,7 +66,7 @@ def run_ranks(
     except AssertionError as error:
         if PORT_TAKEN not in str(error):
             raise
-    return _launch(script, args, rank_environments(world_size, env or {}, nodes), timeout, fresh)
+        return _launch(script, args, rank_environments(world_size, env or {}, nodes), timeout, fresh)  # chained
 
 
 PORT_TAKEN = "EADDRINUSE"
@@ -145,18 +146,32 @@ def _run_forked(script: Path, args: tuple[str, ...], environments: list[dict[str
             log.touch()
             procs.append(context.Process(target=_rank, args=(str(script), args, env, str(log))))
             procs[-1].start()
-        deadline = time.monotonic() + timeout
+        failed = None
         try:
-            for proc in procs:
-                proc.join(max(0.0, deadline - time.monotonic()))
+            failed = _first_failure(procs, time.monotonic() + timeout)
         finally:  # also when pytest's own timeout interrupts the wait: no rank outlives its launch
-            hung = any(proc.exitcode is None for proc in procs)
+            hung = failed is None and any(proc.exitcode is None for proc in procs)
             for proc in procs:
                 proc.kill()
                 proc.join()
         if hung:
             raise _timed_out(script, args, timeout, [log.read_text() for log in logs])
-        return _checked(script, [proc.exitcode for proc in procs], [log.read_text() for log in logs])
+        return _checked(script, [proc.exitcode for proc in procs], [log.read_text() for log in logs], failed)
+
+
+def _first_failure(procs: list[multiprocessing.process.BaseProcess], deadline: float) -> int | None:
+    """Wait until every rank has exited or ``deadline``; return the first rank seen exiting non-zero, at once.
+
+    The others are stopped then: they would wait for it in a collective until the timeout. A rank's own error is
+    what the launch reports, not the broken connection another rank met next.
+    """
+    while True:
+        failed = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+        alive = [proc.sentinel for proc in procs if proc.exitcode is None]
+        remaining = deadline - time.monotonic()
+        if failed or not alive or remaining <= 0:
+            return failed[0] if failed else None
+        multiprocessing.connection.wait(alive, timeout=remaining)
 
 
 def _timed_out(script: Path, args: tuple[str, ...], timeout: float, outputs: list[str]) -> AssertionError:
@@ -165,11 +180,13 @@ def _timed_out(script: Path, args: tuple[str, ...], timeout: float, outputs: lis
     return AssertionError(f"{script.name} {' '.join(args)}: a rank did not finish within {timeout} s{tails}")
 
 
-def _checked(script: Path, codes: list[int | None], outputs: list[str]) -> list[str]:
-    """``outputs``, once every rank exited with 0; else the first failed rank's output in an AssertionError."""
-    for rank, (code, out) in enumerate(zip(codes, outputs, strict=True)):
-        if code != 0:
-            raise AssertionError(f"rank {rank} of {script.name} exited with {code}:\n{out[-6000:]}")
+def _checked(script: Path, codes: list[int | None], outputs: list[str], first: int | None = None) -> list[str]:
+    """``outputs``, once every rank exited with 0; else a failed rank's output (``first``'s, where given) in an
+    AssertionError."""
+    ranks = list(range(len(codes)))
+    for rank in ([first] if first is not None else []) + ranks:
+        if codes[rank] != 0:
+            raise AssertionError(f"rank {rank} of {script.name} exited with {codes[rank]}:\n{outputs[rank][-6000:]}")
     return outputs
 
 

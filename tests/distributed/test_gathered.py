@@ -63,6 +63,9 @@ class GatheredGAN(pl.LightningModule):
             self.misuse(z)
         self.sample("generator", z)
         self.sample("teacher", z)
+        with self.trainer.strategy.gathered("teacher", modifier_rank=0) as teacher:  # a frozen ZeRO-3 engine
+            for param in teacher.parameters():  # rank 0's (unchanged) weights are kept, rank 1's halved ones dropped
+                param.mul_(1.0 if self.global_rank == 0 else 0.5)
         with self.trainer.strategy.gathered("discriminator") as discriminator:  # persistent parameters: whole always
             discriminator(patterns.split(batch)[0])
         opt_g, opt_d = self.optimizers()
@@ -145,6 +148,15 @@ def test_training_after_the_blocks_matches_plain_pytorch(results: list[dict]) ->
         for key, value in expected.items():
             diff = (seen["weights"][key] - value).abs().max().item()
             assert diff <= 1e-5, f"{key}: max abs difference {diff:.2e} from plain PyTorch"
+
+
+def test_an_edit_of_a_frozen_zero3_engine_keeps_the_modifier_ranks_weights(results: list[dict]) -> None:
+    """Rank 1 halves the teacher's weights inside ``gathered("teacher", modifier_rank=0)`` each step; rank 0 keeps
+    them: every rank ends with rank 0's, the weights the teacher started with."""
+    initial = {f"teacher.{k}": v for k, v in patterns.make_modules()[0].state_dict().items()}
+    for seen in results:
+        for key, value in initial.items():
+            assert torch.equal(seen["weights"][key], value), key
 
 
 def test_misuse_is_refused_and_an_exception_leaves_it_usable(results: list[dict]) -> None:

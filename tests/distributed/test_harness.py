@@ -92,7 +92,7 @@ def test_a_hung_rank_fails_within_its_timeout_and_the_next_launch_runs() -> None
 
 
 def port_taken_once(marks: str, error: str) -> str:
-    """Fails with ``error`` on the first launch, passes on the next; the launch's port.
+    """Fails with ``error`` on rank 0 of the first launch (rank 1 hangs), passes on the next; the launch's port.
 
     Rank 0 marks each launch with a file named by its port in ``marks``; a launch is the first while no other
     launch's mark is there.
@@ -101,6 +101,8 @@ def port_taken_once(marks: str, error: str) -> str:
     if os.environ["TEST_RANK"] == "0":
         (launches / port).touch()
     if not [path for path in launches.iterdir() if path.name != port]:
+        if os.environ["TEST_RANK"] == "1":
+            time.sleep(600)  # as a rank waiting to connect to the port rank 0 could not bind
         raise RuntimeError(error)
     return port
 
@@ -108,7 +110,9 @@ def port_taken_once(marks: str, error: str) -> str:
 def test_a_launch_whose_port_was_taken_runs_once_more_and_no_other_failure_does(tmp_path: Path) -> None:
     taken = "The server socket has failed to listen on any local network address. name: EADDRINUSE"
     (tmp_path / "taken").mkdir()
+    start = time.monotonic()
     ports = on_ranks(port_taken_once, str(tmp_path / "taken"), taken, timeout=120)
+    assert time.monotonic() - start < 60, "rank 1 of the first launch was not stopped when rank 0 failed"
     assert ports[0] == ports[1] and len(list((tmp_path / "taken").iterdir())) == 2  # on another port
     (tmp_path / "other").mkdir()
     with pytest.raises(AssertionError, match="an error of the test's own"):

@@ -38,6 +38,9 @@ class Failing(pl.LightningModule):
         if self.mode == f"gathered{self.global_rank}" and batch_idx == 1:
             with self.trainer.strategy.gathered("discriminator") as discriminator:  # type: ignore[attr-defined]
                 discriminator(torch.zeros(1, 6))
+        if self.mode == "edited" and batch_idx == 1 and self.global_rank == 0:  # ZeRO-2: only its edit's broadcast
+            with self.trainer.strategy.gathered("discriminator", modifier_rank=0):  # type: ignore[attr-defined]
+                pass
         opt_g, opt_d = self.optimizers()
         patterns.gan_zero_first(self.generator, self.discriminator, batch, opt_g, opt_d, self.manual_backward)
 
@@ -54,6 +57,8 @@ def fit_failing(mode: str) -> None:
     """On each rank: fit :class:`Failing` with ``mode``, at ZeRO-2 (ZeRO-3 for the ``gathered`` modes)."""
     if mode.startswith("gathered"):
         strategy = MultiDeepSpeedStrategy(stage=3, gathered_timeout=timedelta(seconds=2))
+    elif mode == "edited":
+        strategy = MultiDeepSpeedStrategy(stage=2, gathered_timeout=timedelta(seconds=2))
     else:
         strategy = MultiDeepSpeedStrategy(stage=2)
     cpu_trainer(strategy, enable_checkpointing=False).fit(Failing(mode))
@@ -70,6 +75,11 @@ FAILURES = {  # mode: (the rank that fails, what it says)
         )
         for rank in (0, 1)
     },
+    "edited": (  # at ZeRO-2 too: the edit's broadcasts are collectives
+        0,
+        "[rank 0] MultiDeepSpeedStrategy: RuntimeError: `strategy.gathered('discriminator')` did not meet every rank "
+        "within 0:00:02",
+    ),
 }
 
 

@@ -143,6 +143,9 @@ def test_readme_commands_run_as_printed(tmp_path: Path) -> None:
         raise AssertionError(
             f"the README's and guides' commands did not finish in {TIMEOUT} s:\n{output[-6000:]}"
         ) from None
+    except BaseException:  # interrupted (Ctrl-C, .ci/beside.sh passing one on): the script's session goes too
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     (tmp_path / "readme.log").write_text(output)
     assert proc.returncode == 0, f"a README or guide command failed ({proc.returncode}):\n{output[-8000:]}"
     for avoidable in AVOIDABLE + INSTALL_WARNINGS:
