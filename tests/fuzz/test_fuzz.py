@@ -9,8 +9,10 @@ defects' dimensions and pass since their fixes (``on_after_backward`` reads, ``o
 optimizer's fp32 accumulation, a term on some ranks only, a reentrant checkpoint beside a plain call).
 ``test_the_slice_covers`` keeps them covering that. ``RESUMES`` draws with ``grammar.SAFE_RESUMING``: layers
 shared by two engines (refused at setup), and resumes with a ZeRO stage changed (ZeRO-1 <-> ZeRO-2 resumes, others
-are refused at load), a save inside ``gathered``, the EMA or a frozen engine dropped. ``make fuzz`` runs the whole
-grammar over a range of seeds.
+are refused at load), a save inside ``gathered``, the EMA or a frozen engine dropped. ``TOUCHES`` draws with
+``grammar.SAFE_TOUCHING``: ``self.clip_gradients`` before a step (also read before it) and weight edits after a
+phase, plain and inside ``gathered(name, modifier_rank=0)`` (at ZeRO-3 too), in bf16, before a resume and on the
+source of an EMA. ``make fuzz`` runs the whole grammar over a range of seeds.
 """
 
 from __future__ import annotations
@@ -118,6 +120,44 @@ def test_the_slice_matches_plain_pytorch(cases: list[Case]) -> None:
     failed = [
         f"seed {case.seed}: {result.kind} {result.error_type} {result.detail}\n{grammar.to_json(case)}"
         for case, result in zip(cases, results, strict=True)
+        if result.kind != "match"
+    ]
+    assert not failed, "\n".join(failed)
+
+
+TOUCHES = (0, 1, 3, 6, 8)  # seeds of grammar.SAFE_TOUCHING
+
+
+@pytest.fixture(scope="module")
+def touches() -> list[Case]:
+    return [grammar.generate(seed, grammar.SAFE_TOUCHING, valid=reference.resolve) for seed in TOUCHES]
+
+
+def touch_features(case: Case) -> set[str]:
+    found = set()
+    for phase in case.phases:
+        found |= {"clip"} if phase.clip else set()
+        found |= {"clip_read"} if phase.clip and case.read_before_step else set()
+        if phase.edit != "none":
+            found |= {f"edit_{phase.edit}", f"edit_{phase.edit}_stage{case.engine(phase.owner).stage}"}
+            found |= {"bf16_edit"} if case.precision == "bf16-mixed" else set()
+            found |= {"resume_edit"} if case.resume is not None else set()
+            found |= {"ema_edit"} if case.ema is not None and case.ema.source == phase.owner else set()
+    return found
+
+
+def test_the_touch_slice_covers(touches: list[Case]) -> None:
+    found = set().union(*(touch_features(case) for case in touches))
+    wanted = {"clip", "clip_read", "edit_plain_stage1", "edit_plain_stage2", "edit_block_stage3", "bf16_edit"}
+    wanted |= {"resume_edit", "ema_edit"}
+    assert found >= wanted, f"the touch slice no longer covers {sorted(wanted - found)}: choose other seeds"
+
+
+def test_clipping_and_weight_edits_train_as_plain_pytorch(touches: list[Case]) -> None:
+    results = launch.run_cases(touches, TIMEOUT, batch=len(touches))
+    failed = [
+        f"seed {case.seed}: {result.kind} {result.error_type} {result.detail}\n{grammar.to_json(case)}"
+        for case, result in zip(touches, results, strict=True)
         if result.kind != "match"
     ]
     assert not failed, "\n".join(failed)
