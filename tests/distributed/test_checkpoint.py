@@ -367,13 +367,28 @@ class GAN(pl.LightningModule):
 
 
 class GatheredGAN(GAN):
-    """The GAN sampling inside ``gathered``, as a generation loop would."""
+    """The GAN sampling inside ``gathered``, as a generation loop would; then an edit of the generator inside
+    ``gathered(modifier_rank=0)`` that changes nothing on rank 0 and halves the weights on rank 1 (dropped: rank 0's
+    weights are every rank's), and the mean over ranks of the generator's weight sum read after it."""
+
+    refused = ""
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         real, z = patterns.split(batch)
-        with self.trainer.strategy.gathered("generator") as generator:  # type: ignore[attr-defined]
+        strategy = self.trainer.strategy
+        with strategy.gathered("generator") as generator:  # type: ignore[attr-defined]
             fake = generator(z)
         self.log("val_score", self.discriminator(fake).mean(), sync_dist=True)
+        with strategy.gathered("generator", modifier_rank=0) as generator:  # type: ignore[attr-defined]
+            for param in generator.parameters():
+                param.mul_(1.0 if self.global_rank == 0 else 0.5)
+        with strategy.gathered("generator") as generator:  # type: ignore[attr-defined]
+            self.log("weight_sum", sum(p.sum() for p in generator.parameters()), sync_dist=True)
+        try:
+            with strategy.gathered("generator", modifier_rank=7):  # type: ignore[attr-defined]
+                pass
+        except ValueError as error:
+            self.refused = str(error)
 
 
 class Student(pl.LightningModule):
@@ -473,16 +488,15 @@ def validate(root: Path) -> dict[str, float]:
     return metrics
 
 
-def validate_gathered() -> dict[int, float | str]:
-    """On each rank: ``trainer.validate`` at ZeRO 0-3 of :class:`GatheredGAN`; the val_score or the error by stage."""
-    scores: dict[int, float | str] = {}
+def validate_gathered() -> dict[int, tuple[float, float, str]]:
+    """On each rank: ``trainer.validate`` at ZeRO 0-3 of :class:`GatheredGAN`; by stage, its val_score, the weight sum
+    and the refusal of a modifier rank that is no rank."""
+    results = {}
     for stage in range(4):
-        try:
-            (metrics,) = cpu_trainer(MultiDeepSpeedStrategy(stage=stage)).validate(GatheredGAN())
-            scores[stage] = metrics["val_score"]
-        except ValueError as error:
-            scores[stage] = str(error)
-    return scores
+        module = GatheredGAN()
+        (metrics,) = cpu_trainer(MultiDeepSpeedStrategy(stage=stage)).validate(module)
+        results[stage] = (metrics["val_score"], metrics["weight_sum"], module.refused)
+    return results
 
 
 def fit_from_bad_paths(root: Path) -> dict[str, str]:
@@ -646,8 +660,11 @@ def test_gathered_in_validation_step_works_under_validate_at_every_stage(tmp_pat
     generator, discriminator = patterns.make_modules()
     _, z = patterns.split(patterns.make_batches(2))
     expected = discriminator(generator(z)).mean().item()
-    for stage, score in on_ranks(validate_gathered)[0].items():
+    weight_sum = sum(p.sum() for p in generator.parameters()).item()
+    for stage, (score, weights, refused) in on_ranks(validate_gathered)[0].items():
         assert score == pytest.approx(expected, abs=1e-6), f"ZeRO-{stage}: {score}"
+        assert weights == pytest.approx(weight_sum, abs=1e-5), f"ZeRO-{stage}: rank 1's edit was kept"
+        assert "`gathered('generator', modifier_rank=7)`: the modifier rank is the global rank" in refused, stage
 
 
 def test_bad_checkpoint_paths_fail_clearly(trained: Path) -> None:
