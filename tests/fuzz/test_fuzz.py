@@ -115,7 +115,8 @@ def test_shared_layers_and_resumes_train_as_plain_pytorch_or_are_refused(resumes
     assert not failed, "\n".join(failed)
 
 
-def test_the_slice_matches_plain_pytorch(cases: list[Case]) -> None:
+def assert_all_match(cases: list[Case]) -> None:
+    """Train ``cases`` in one 2-rank launch; each must match plain PyTorch (else its JSON is shown)."""
     results = launch.run_cases(cases, TIMEOUT, batch=len(cases))
     failed = [
         f"seed {case.seed}: {result.kind} {result.error_type} {result.detail}\n{grammar.to_json(case)}"
@@ -123,6 +124,10 @@ def test_the_slice_matches_plain_pytorch(cases: list[Case]) -> None:
         if result.kind != "match"
     ]
     assert not failed, "\n".join(failed)
+
+
+def test_the_slice_matches_plain_pytorch(cases: list[Case]) -> None:
+    assert_all_match(cases)
 
 
 TOUCHES = (0, 1, 3, 6, 8)  # seeds of grammar.SAFE_TOUCHING
@@ -154,10 +159,4 @@ def test_the_touch_slice_covers(touches: list[Case]) -> None:
 
 
 def test_clipping_and_weight_edits_train_as_plain_pytorch(touches: list[Case]) -> None:
-    results = launch.run_cases(touches, TIMEOUT, batch=len(touches))
-    failed = [
-        f"seed {case.seed}: {result.kind} {result.error_type} {result.detail}\n{grammar.to_json(case)}"
-        for case, result in zip(touches, results, strict=True)
-        if result.kind != "match"
-    ]
-    assert not failed, "\n".join(failed)
+    assert_all_match(touches)
