@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._gradients import from_own_code
 
 if TYPE_CHECKING:
     from lightning_multids._engines import EngineRecord
@@ -211,7 +212,8 @@ def gathered(
     check_modifier_rank(name, modifier_rank)
     record = records[name]
     block = f"strategy.gathered({name!r})"
-    with inside(f"gathered({name!r})", block, [record]):
+    unguarded = nullcontext() if record.guard is None else record.guard.suspended("data")
+    with inside(f"gathered({name!r})", block, [record]), unguarded:  # the weights are whole: yours to read and edit
         engine = record.engine
         params = [param for param in engine.module.parameters() if is_zero_param(param)]
         if (params or modifier_rank is not None) and arrive is not None:  # the block's collectives follow
@@ -355,3 +357,29 @@ def _refuse_forward(name: str, module: nn.Module) -> RemovableHandle:
         )
 
     return module.register_forward_pre_hook(refuse)
+
+
+def refuse_partitioned_weights(name: str) -> Callable[[torch.Tensor, str, str], None]:
+    """The check a read or write of ``param.data`` of ZeRO-3 engine ``name`` runs outside ``gathered`` blocks.
+
+    Where no forward or backward of a submodule that holds the parameter runs, ZeRO-3 keeps each weight as this
+    rank's partition: ``param.data`` is empty (small weights, under ``stage3_param_persistence_threshold``, stay
+    whole, but a change to them never reaches the partition and is overwritten at the next step). Under DDP it is
+    the whole weight, and an edit through it (WGAN's clamp, a momentum teacher's update) trains on. An access from
+    user code there is refused; one from torch, DeepSpeed or the strategy passes.
+    """
+
+    def check(param: torch.Tensor, reader: str, verb: str) -> None:
+        if from_own_code(reader) or ds_compat.in_use(param):
+            return
+        raise RuntimeError(
+            f"`param.data` of a parameter of engine {name!r} (ZeRO-3) was {verb} outside its forward (in "
+            f"{reader or 'unknown code'}): ZeRO-3 keeps each weight partitioned there, so a read sees an empty "
+            "tensor (or a small weight whose edits the next step overwrites) and an edit changes nothing, where "
+            f"DDP's weight is whole. Edit the weights inside `with self.trainer.strategy.gathered({name!r}, "
+            f"modifier_rank=0) as module:` (rank 0's edits become every rank's; every rank enters it), read them "
+            f"inside `gathered({name!r})`; to keep an average of another engine's weights, use "
+            "`MultiDeepSpeedStrategy(ema=...)`."
+        )
+
+    return check

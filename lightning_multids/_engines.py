@@ -8,8 +8,8 @@ between, the strategy's hooks call it: a backward (:meth:`EngineSet.backward`), 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +19,13 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_multids._blocks import NO_SYNC, refuse_outside_run
+from lightning_multids._blocks import NO_SYNC, refuse_outside_run, refuse_partitioned_weights
 from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._compat import torch as torch_compat
 from lightning_multids._config import merge
 from lightning_multids._discovery import UNWALKED, reached_engines
 from lightning_multids._ema import Averager
-from lightning_multids._gradients import clipped, full_gradients
+from lightning_multids._gradients import clipped, full_gradients, refuse_gradient_read
 from lightning_multids._optimizer import EngineOptimizer
 from lightning_multids._precision import engine_dtype, loss_scaling
 from lightning_multids._routing import Router, refuse_uneven_zero3
@@ -44,6 +45,8 @@ class EngineRecord:
     blocks: list[str] = field(default_factory=list)
     """The blocks it is inside now, outermost first (:mod:`lightning_multids._blocks`); its optimizer reads the same
     list to refuse a step inside one."""
+    guard: torch_compat.ParameterGuard | None = None
+    """Refuses user code's accesses to its parameters' ``grad`` and ``data`` where they are not DDP's (during fit)."""
     untrained: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)
     """A trainable engine's parameters that had ``requires_grad=False`` when it was built (by name), where its
     optimizer holds no partition or fp32 copy of them, so they can never train: at ZeRO-1/2/3, and at ZeRO-0 in
@@ -150,6 +153,45 @@ class EngineSet:
         max_norm = optimizer.pending_clip
         return grads if max_norm is None or not grads else clipped(grads, max_norm)
 
+    def guard_parameters(self) -> Callable[[], None]:
+        """Refuse user code's accesses to state that is DeepSpeed's, not DDP's, where it is touched; the undo.
+
+        ``param.grad`` of a trainable engine between a backward and its step (``_gradients.refuse_gradient_read``),
+        and ``param.data`` of a ZeRO-3 engine outside its forward, the backward, its step and ``gathered`` blocks
+        (``_blocks.refuse_partitioned_weights``).
+        Each engine's :class:`~lightning_multids._compat.torch.ParameterGuard` is suspended while the strategy
+        calls DeepSpeed, so DeepSpeed's own accesses cost nothing extra.
+        """
+        handles: list[RemovableHandle] = []
+        for record in self.records.values():
+            checks: dict[str, torch_compat.Check] = {}
+            stage = record.engine.zero_optimization_stage()
+            if record.optimizer is not None:
+                checks["grad"] = refuse_gradient_read(record.name, stage)
+            if stage == 3:
+                checks["data"] = refuse_partitioned_weights(record.name)
+            if not checks:
+                continue
+            guard = record.guard = torch_compat.ParameterGuard(list(record.engine.module.parameters()), checks)
+            if record.optimizer is not None:
+                record.optimizer.guard = guard
+            if stage == 3:
+                guard.enable("data")
+                handles += _unguarded_in_forward(record.engine.module, guard)
+        guarded = [record for record in self.records.values() if record.guard is not None]
+
+        def undo() -> None:
+            for handle in handles:
+                handle.remove()
+            for record in guarded:
+                if record.optimizer is not None:
+                    record.optimizer.guard = None
+                if record.guard is not None:
+                    record.guard.close()
+                record.guard = None
+
+        return undo
+
     def take_weight_edits(self) -> None:
         """Carry edits of the trainable engines' weights since their last step into their fp32 master copies."""
         for optimizer in self.optimizers:
@@ -176,6 +218,15 @@ class EngineSet:
         override that skips a batch) leaves the engines without gradients, so the next step changes nothing, as
         under DDP.
         """
+        with ExitStack() as unguarded:  # DeepSpeed's accesses to the parameters in the backward: at no cost
+            for record in self.records.values():
+                if record.guard is not None:
+                    unguarded.enter_context(record.guard.suspended())
+            with self._routed(loss) as scaled:
+                yield scaled
+
+    @contextmanager
+    def _routed(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
         self._refuse_unfrozen()
         if loss.grad_fn is None:
             if not _several_ranks():
@@ -299,3 +350,12 @@ whole (seen with torch 2.11-2.13); narrow, so that an unrelated error keeps its 
 
 def _several_ranks() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _unguarded_in_forward(module: torch.nn.Module, guard: torch_compat.ParameterGuard) -> list[RemovableHandle]:
+    """Suspend ``guard``'s check of ``data`` in ZeRO-3 ``module``'s forward, where DeepSpeed gathers and releases.
+
+    Only for cost: the check passes for a parameter in use by a running submodule anyway (a child called directly).
+    """
+    suspend = module.register_forward_pre_hook(lambda *_: guard.suspend("data"), prepend=True)
+    return [suspend, module.register_forward_hook(lambda *_: guard.resume("data"), always_call=True)]

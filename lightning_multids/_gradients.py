@@ -90,3 +90,42 @@ def refuse_engine_clipping(owners: Mapping[int, str], stages: Mapping[str, int])
         )
 
     return check
+
+
+_READERS_OF_THEIR_OWN = ("torch", "deepspeed", "lightning_multids")
+"""Packages whose accesses to a guarded ``param.grad`` or ``param.data`` pass: torch, DeepSpeed, the strategy."""
+
+
+def from_own_code(reader: str) -> bool:
+    """Whether ``reader`` (a module's ``__name__``) is torch's, DeepSpeed's or the strategy's."""
+    return reader.split(".", 1)[0] in _READERS_OF_THEIR_OWN
+
+
+def refuse_gradient_read(name: str, stage: int) -> Callable[[torch.Tensor, str, str], None]:
+    """The check a read or write of ``param.grad`` of engine ``name`` runs between a backward and ``step()``.
+
+    There DDP holds the gradient averaged over the ranks; DeepSpeed holds this rank's own before the average
+    (ZeRO-0/1, reduced in ``step()``) or None (ZeRO-2/3, a reduced partition elsewhere). An access from user code
+    (a norm logged, Lightning's ``grad_norm``, a projection written back) is refused; one from torch (such as
+    ``Module.zero_grad``), DeepSpeed or the strategy passes. ``stage`` is the engine's ZeRO stage.
+    """
+    held = (
+        "None here (DeepSpeed keeps only this rank's reduced partition)"
+        if stage >= 2
+        else "this rank's own gradient here, before the ranks' average (DeepSpeed reduces it in `opt.step()`)"
+    )
+
+    def check(param: torch.Tensor, reader: str, verb: str) -> None:
+        if from_own_code(reader):
+            return
+        raise RuntimeError(
+            f"`param.grad` of a parameter of engine {name!r} (ZeRO-{stage}) was {verb} between the backward and "
+            f"`opt.step()` (in {reader or 'unknown code'}): under DDP it holds the gradient averaged over the "
+            f"ranks; it is {held}. Read the gradients whole and averaged with "
+            f"`self.trainer.strategy.full_gradients({name!r})` (on every rank: a collective), and their norm from "
+            "those (Lightning's `grad_norm` reads `param.grad`); clip with "
+            "`self.clip_gradients(opt, gradient_clip_val=...)`; clear with `opt.zero_grad()`. A change to a gradient "
+            "before the step (a projection) has no supported way: change the loss instead."
+        )
+
+    return check

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_multids._blocks import refuse_step
 from lightning_multids._compat import deepspeed as ds_compat
-from lightning_multids._compat.torch import init_step_hooks, step_hooks_or_profiler, step_post_hooks
+from lightning_multids._compat.torch import ParameterGuard, init_step_hooks, step_hooks_or_profiler, step_post_hooks
 from lightning_multids._nonfinite import NonFiniteGradients, skip_nonfinite_steps
 
 
@@ -111,6 +111,8 @@ class EngineOptimizer(Optimizer):
         self.after_step: Callable[[str], None] | None = None
         """Called with the engine's name after each applied step (the EMA engines that follow it)."""
         self._handle = skip_nonfinite_steps(engine)
+        self.guard: ParameterGuard | None = None
+        """Refuses user code's accesses to ``param.grad`` between backward and step (set by the strategy)."""
 
     @property
     def has_gradients(self) -> bool:
@@ -120,6 +122,12 @@ class EngineOptimizer(Optimizer):
     @has_gradients.setter
     def has_gradients(self, value: bool) -> None:
         self._state.has_gradients = value
+        if self.guard is not None:  # reads of `param.grad` are refused from user code while it holds gradients
+            (self.guard.enable if value else self.guard.disable)("grad")
+
+    def unguarded(self) -> AbstractContextManager[None]:
+        """No check of its parameters' ``grad`` and ``data`` in the body (DeepSpeed's own accesses: at no cost)."""
+        return nullcontext() if self.guard is None else self.guard.suspended()
 
     @property
     def param_groups(self) -> list[MutableMapping]:  # type: ignore[override]
@@ -213,16 +221,26 @@ class EngineOptimizer(Optimizer):
             self._refuse_empty_step()
             return loss  # automatic optimization: training_step returned None, Lightning skips the step
         step, skipped = self.engine.global_steps + 1, self.engine.skipped_steps
+        with self.unguarded():  # DeepSpeed's accesses to the parameters, and the EMA's after the step
+            applied = self._step_engine(skipped, kwargs)
+            if applied and self.after_step is not None:
+                self.after_step(self.name)
+        if not applied:
+            self._report_skipped_step(step)
+        return loss
+
+    def _step_engine(self, skipped: int, kwargs: dict[str, Any]) -> bool:
+        """Step the engine; whether the step was applied. It ends with the gradients cleared, whatever happens."""
         returned = False
         try:
             ds_compat.take_weight_edits(self.engine)  # edits since the last step reach the fp32 master copy
             with _passing(self.optimizer, kwargs):
                 self.engine.step()
             returned = True
-            applied = self.engine.skipped_steps == skipped
+            return self.engine.skipped_steps == skipped
         except NonFiniteGradients:  # stage 0, fp32: raised before the torch optimizer changed anything
             ds_compat.abandon_step(self.engine)  # raised inside engine.step(): end its boundary
-            applied = False
+            return False
         except BaseException:
             ds_compat.abandon_step(self.engine)
             raise
@@ -232,11 +250,6 @@ class EngineOptimizer(Optimizer):
                 self._forget_gradients()
             else:  # gradients it had half processed (out of memory in the optimizer), or a refused step
                 self.zero_grad()
-        if not applied:
-            self._report_skipped_step(step)
-        elif self.after_step is not None:
-            self.after_step(self.name)
-        return loss
 
     @Optimizer.profile_hook_step
     def _stepped_with_hooks(self, *args: Any, **kwargs: Any) -> Any:

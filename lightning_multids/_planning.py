@@ -260,29 +260,21 @@ def config_scheduler(name: str, engine: DeepSpeedEngine, manual: bool) -> LRSche
     return config
 
 
-_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-
-
 def _overridden(module: pl.LightningModule, hook: str) -> bool:
     return getattr(type(module), hook) is not getattr(pl.LightningModule, hook)
 
 
-def warn_gradient_readers(module: pl.LightningModule, engines: Mapping[str, DeepSpeedEngine]) -> None:
-    """Warn where user hooks would read ``param.grad`` that ZeRO-2/3 leaves None, or would never be called.
+def warn_clipping_overrides(module: pl.LightningModule, engines: Mapping[str, DeepSpeedEngine]) -> None:
+    """Warn where an overridden ``configure_gradient_clipping`` would never be called, or could not clip by itself.
+
+    A read of ``param.grad`` in a hook is refused at the read: ``_gradients.refuse_gradient_read``.
 
     Args:
         module: the LightningModule.
         engines: its trainable engines by name.
     """
     partitioned = sorted(name for name, e in engines.items() if e.zero_optimization_partition_gradients())
-    readers = [hook for hook in _GRADIENT_HOOKS if _overridden(module, hook)]
     name = type(module).__name__
-    if partitioned and readers:
-        rank_zero_warn(
-            f"`{name}` overrides {', '.join(f'`{h}`' for h in readers)}: the ZeRO-2/3 engines {partitioned} keep only "
-            "their reduced partition, so `param.grad` is None between backward and step (Lightning's `grad_norm` "
-            "returns nothing). Read `self.trainer.strategy.full_gradients(name)` there instead."
-        )
     if not _overridden(module, "configure_gradient_clipping"):
         return
     if not module.automatic_optimization:
@@ -294,8 +286,8 @@ def warn_gradient_readers(module: pl.LightningModule, engines: Mapping[str, Deep
     elif partitioned:
         rank_zero_warn(
             f"`{name}` overrides `configure_gradient_clipping`: only `self.clip_gradients(...)` calls in it take "
-            f"effect (DeepSpeed clips inside `step()`); `param.grad` is None there for the ZeRO-2/3 engines "
-            f"{partitioned}."
+            f"effect (DeepSpeed clips inside `step()`); a read of `param.grad` there is refused, and it is None for "
+            f"the ZeRO-2/3 engines {partitioned}."
         )
 
 

@@ -57,7 +57,7 @@ from lightning_multids._lifecycle import (
     zero3_init,
 )
 from lightning_multids._model_summary import count_partitioned
-from lightning_multids._planning import check_clip_algorithm, warn_gradient_readers
+from lightning_multids._planning import check_clip_algorithm, warn_clipping_overrides
 from lightning_multids._precision import EnginePrecision
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """A checkpoint whose Lightning part was read before setup: setup loads the rest once the engines exist."""
         self._restore_summary: Callable[[], None] = _nothing
         self._show_zero_deprecations: Callable[[], None] = _nothing
-        self._allow_torch_clipping: Callable[[], None] = _nothing
+        self._unguard_gradients: Callable[[], None] = _nothing
         self._unset_extensions_dir: Callable[[], None] = _nothing
 
     @property
@@ -312,12 +312,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         )
         if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
             self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_configs)
-        warn_gradient_readers(module, self._engine_set.trainable_engines)
-        self._allow_torch_clipping()  # a setup after one whose teardown did not run
+        warn_clipping_overrides(module, self._engine_set.trainable_engines)
+        self._unguard_gradients()  # a setup after one whose teardown did not run
         stages = {name: e.zero_optimization_stage() for name, e in self._engine_set.trainable_engines.items()}
-        self._allow_torch_clipping = torch_compat.guard_gradient_clipping(
-            refuse_engine_clipping(self._engine_set.owners, stages)
-        )
+        allow_clipping = torch_compat.guard_gradient_clipping(refuse_engine_clipping(self._engine_set.owners, stages))
+        self._unguard_gradients = _chain(allow_clipping, self._engine_set.guard_parameters())
         self.optimizers = list[Optimizer](self._engine_set.optimizers)
         self.lr_scheduler_configs = self._engine_set.scheduler_configs
         self._restore_summary = count_partitioned(trainer, self._engine_set.engines)  # before on_fit_start
@@ -669,8 +668,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ended without an exception the stopped engines are kept, so that ``trainer.save_checkpoint`` works after
         ``fit`` as under DDP, until :meth:`release` or the next setup.
         """
-        self._allow_torch_clipping()  # first: torch's own functions must come back even if a release below fails
-        self._allow_torch_clipping = _nothing
+        self._unguard_gradients()  # first: torch's functions and the parameters' classes come back even if a
+        self._unguard_gradients = _nothing  # release below fails
         if not self._failed:  # a save after fit reads the master copies: edits since the last step go there first
             self._engine_set.take_weight_edits()
         release_engines(self._engine_set)
@@ -732,6 +731,14 @@ class _Loading:
 
 def _nothing() -> None:
     pass
+
+
+def _chain(*undos: Callable[[], None]) -> Callable[[], None]:
+    def undo() -> None:
+        for each in undos:
+            each()
+
+    return undo
 
 
 def _refuse_checkpoint_io(checkpoint_io: CheckpointIO | None) -> None:

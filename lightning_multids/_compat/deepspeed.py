@@ -820,6 +820,15 @@ def is_gathered(param: torch.nn.Parameter) -> bool:
     return bool(param.ds_status == ZeroParamStatus.AVAILABLE)  # type: ignore[attr-defined]
 
 
+def in_use(param: torch.Tensor) -> bool:
+    """Whether a forward or backward of a submodule that holds ZeRO-3 ``param`` runs now (``ds_active_sub_modules``).
+
+    Its weights are whole there; elsewhere they are this rank's partition, or, for a persistent (small) parameter,
+    whole but overwritten from the partition at the next step.
+    """
+    return bool(param.ds_active_sub_modules)  # type: ignore[attr-defined]
+
+
 def _zero3_offload(engine: DeepSpeedEngine) -> DeepSpeedZeRoOffload:
     offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
     if not isinstance(offload, DeepSpeedZeRoOffload):

@@ -7,8 +7,10 @@ one file.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
-from collections.abc import Callable
+import sys
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -150,3 +152,111 @@ def guard_gradient_clipping(check: Callable[[str, list[torch.Tensor]], None]) ->
                 setattr(module, name, original)
 
     return undo
+
+
+_TENSOR_ATTRIBUTES: dict[str, Any] = {name: torch._C.TensorBase.__dict__[name] for name in ("grad", "data")}
+"""The descriptors behind every tensor's ``.grad`` and ``.data``, on torch's private tensor base class."""
+
+
+class ParameterGuard:
+    """Runs ``checks[attribute](param, reader, verb)`` before an access to ``param.grad`` or ``param.data``.
+
+    ``reader`` is the ``__name__`` of the module whose code reads or writes, ``verb`` "read" or "set". A check runs
+    while its attribute is enabled and not suspended. ``grad`` and ``data`` are data descriptors of the tensor base
+    class, so an access cannot be seen on the instance: while some check runs, each parameter's class is a subclass
+    (one per class, named as the original, so that printing and pickling are unchanged; ``copy.deepcopy`` gives the
+    original) whose properties check, then access the same attribute; deletes pass through, and autograd's C++
+    engine does not go through them. Otherwise the parameters have their own class, and accesses cost what they
+    cost without the guard.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], checks: Mapping[str, Check]) -> None:
+        self._enabled: set[str] = set()
+        self._suspended: Counter[str] = Counter()
+        self._active: set[str] = set()  # read by the properties: changed in place
+        classes: dict[type, type] = {}
+        for param in params:
+            if type(param) not in classes:
+                classes[type(param)] = _guarded_class(type(param), checks, self._active)
+        self._pairs = [(param, type(param), classes[type(param)]) for param in params]
+        self._swapped = False
+
+    def enable(self, attribute: str) -> None:
+        """Check ``attribute`` from now on, unless suspended."""
+        self._enabled.add(attribute)
+        self._update()
+
+    def disable(self, attribute: str) -> None:
+        """Stop checking ``attribute``."""
+        self._enabled.discard(attribute)
+        self._update()
+
+    def suspend(self, attribute: str) -> None:
+        """Stop checking ``attribute`` until as many :meth:`resume` calls as :meth:`suspend` calls have run."""
+        self._suspended[attribute] += 1
+        self._update()
+
+    def resume(self, attribute: str) -> None:
+        """Undo one :meth:`suspend`."""
+        self._suspended[attribute] -= 1
+        self._update()
+
+    @contextmanager
+    def suspended(self, *attributes: str) -> Iterator[None]:
+        """No check of ``attributes`` (default: all) in the body."""
+        attributes = attributes or tuple(_TENSOR_ATTRIBUTES)
+        for attribute in attributes:
+            self.suspend(attribute)
+        try:
+            yield
+        finally:
+            for attribute in attributes:
+                self.resume(attribute)
+
+    def close(self) -> None:
+        """Check nothing from now on: the parameters' own classes back."""
+        self._enabled.clear()
+        self._update()
+
+    def _update(self) -> None:
+        self._active.clear()
+        self._active.update(a for a in self._enabled if self._suspended[a] <= 0)
+        if bool(self._active) != self._swapped:
+            self._swapped = bool(self._active)
+            for param, original, guarded in self._pairs:
+                param.__class__ = guarded if self._swapped else original
+
+
+Check = Callable[[torch.Tensor, str, str], None]
+"""``check(param, reader, verb)``: raises to refuse the access."""
+
+
+def _guarded_class(original: type, checks: Mapping[str, Check], active: set[str]) -> type:
+    def deepcopy(param: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+        copied = getattr(original, "__deepcopy__")(param, memo)  # noqa: B009
+        if isinstance(copied, original):  # made as `type(param)(...)`: the copy is not guarded
+            copied.__class__ = original
+        return copied
+
+    namespace: dict[str, Any] = {"__module__": original.__module__, "__qualname__": original.__qualname__}
+    namespace["__deepcopy__"] = deepcopy
+    for attribute, check in checks.items():
+        namespace[attribute] = _checked_property(attribute, check, active)
+    return type(original)(original.__name__, (original,), namespace)
+
+
+def _checked_property(attribute: str, check: Check, active: set[str]) -> property:
+    def read(param: torch.Tensor) -> Any:
+        if attribute in active:
+            check(param, sys._getframe(1).f_globals.get("__name__", ""), "read")
+        return _TENSOR_ATTRIBUTES[attribute].__get__(param)
+
+    def write(param: torch.Tensor, value: Any) -> None:
+        if attribute in active:
+            check(param, sys._getframe(1).f_globals.get("__name__", ""), "set")
+        _TENSOR_ATTRIBUTES[attribute].__set__(param, value)
+
+    def delete(param: torch.Tensor) -> None:
+        _TENSOR_ATTRIBUTES[attribute].__delete__(param)
+
+    return property(read, write, delete)

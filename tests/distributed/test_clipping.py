@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.utilities import grad_norm  # imported before any fit, as user modules do
 from torch import nn
 from torch.nn.utils import clip_grad_norm_  # imported before any fit, as user modules do
 
@@ -106,15 +107,22 @@ class ClipsWithTorch(pl.LightningModule):
         params = self.unused.parameters() if self.how == "plain" else self.generator.parameters()
         if self.how == "value":
             torch.nn.utils.clip_grad_value_(params, CLIP)
-        elif self.how == "with_norm":  # torch's two halves of clip_grad_norm_
-            params = list(params)
-            total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        elif self.how == "with_norm":  # torch's two halves of clip_grad_norm_, the norm read the supported way
+            total = torch.nn.utils.get_total_norm(list(self.trainer.strategy.full_gradients("generator").values()))
             torch.nn.utils.clip_grads_with_norm_(params, CLIP, total)
         elif self.how == "imported":
             clip_grad_norm_(params, CLIP)
-        else:
+        elif self.how == "read":  # a norm logged from `param.grad`
+            self.log("norm", torch.stack([p.grad.norm() for p in self.generator.parameters()]).norm())
+        elif self.how in ("norm", "plain"):
             torch.nn.utils.clip_grad_norm_(params, CLIP)
         opt.step()
+        if self.how == "after":  # after the step `param.grad` is no one's business but the reader's
+            assert all(p.grad is None for p in self.generator.parameters())
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.how == "grad_norm":  # Lightning's documented way to log gradient norms
+            self.log_dict(grad_norm(self.generator, norm_type=2))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return patterns.make_optimizer("sgd", self.generator.parameters())
@@ -125,18 +133,20 @@ class ClipsWithTorch(pl.LightningModule):
 
 def clip_with_torch(cases: list[str]) -> dict[str, str]:
     """On each rank: one fit per case ``HOW:STAGE``; ``ok``, or the error it ended with; torch's functions after."""
-    results = {}
+    results, modules = {}, []
     for case in cases:
         how, stage = case.split(":")
         trainer = cpu_trainer(MultiDeepSpeedStrategy(stage=int(stage)), enable_checkpointing=False)
+        modules.append(ClipsWithTorch(how))
         try:
-            trainer.fit(ClipsWithTorch(how))
+            trainer.fit(modules[-1])
             results[case] = "ok"
-        except ValueError as error:
+        except (ValueError, RuntimeError) as error:
             results[case] = str(error)
     clip_grad = torch.nn.utils.clip_grad
     results["restored"] = str(
-        clip_grad.clip_grad_value_ is torch.nn.utils.clip_grad_value_ is ORIGINAL_VALUE
+        all(type(p) is nn.Parameter for module in modules for p in module.parameters())
+        and clip_grad.clip_grad_value_ is torch.nn.utils.clip_grad_value_ is ORIGINAL_VALUE
         and clip_grad._clip_grads_with_norm_ is ORIGINAL_NORM
         and torch.nn.utils.clip_grads_with_norm_ is ORIGINAL_WITH_NORM
     )
@@ -148,12 +158,27 @@ ORIGINAL_NORM = torch.nn.utils.clip_grad._clip_grads_with_norm_
 ORIGINAL_WITH_NORM = torch.nn.utils.clip_grads_with_norm_
 
 
-def test_torch_clipping_over_an_engine_is_refused_at_the_call() -> None:
-    """Under DDP ``param.grad`` is averaged by then; here it is each rank's own (ZeRO-0/1) or None (ZeRO-2/3)."""
+def test_torch_clipping_and_gradient_reads_over_an_engine_are_refused_at_the_call() -> None:
+    """Under DDP ``param.grad`` is averaged by then; here it is each rank's own (ZeRO-0/1) or None (ZeRO-2/3).
+
+    A read from user code between backward and step is refused (``read``, and Lightning's ``grad_norm`` in
+    ``on_before_optimizer_step``); after the step it passes; torch's clipping reads it itself and is refused at the
+    clipping. Teardown gives the parameters their class back and torch its functions.
+    """
     cases = ["norm:0", "norm:2", "norm:3", "imported:1", "value:2", "with_norm:0", "plain:2"]
+    cases += ["read:0", "read:3", "grad_norm:1", "after:2"]
     for rank, results in enumerate(on_ranks(clip_with_torch, cases, timeout=300)):
         assert results.pop("plain:2") == "ok", f"rank {rank}: a plain submodule's clipping is torch's own"
-        assert results.pop("restored") == "True", f"rank {rank}: teardown puts torch's functions back"
+        assert results.pop("after:2") == "ok", f"rank {rank}: a read after the step passes"
+        assert results.pop("restored") == "True", f"rank {rank}: teardown puts classes and torch's functions back"
+        for case in ("read:0", "read:3", "grad_norm:1"):
+            message, stage = results.pop(case), case[-1]
+            read = f"`param.grad` of a parameter of engine 'generator' (ZeRO-{stage}) was read between the backward"
+            assert message.startswith(read), f"rank {rank}, {case}: {message}"
+            held = "None" if int(stage) >= 2 else "this rank's own gradient"
+            assert held in message and "full_gradients('generator')" in message, message
+            reader = "lightning.pytorch.utilities.grads" if case.startswith("grad_norm") else __name__
+            assert f"(in {reader})" in message, message
         for case, message in results.items():
             how, stage = case.split(":")
             function = {"value": "clip_grad_value_", "with_norm": "clip_grads_with_norm_"}.get(how, "clip_grad_norm_")

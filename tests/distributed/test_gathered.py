@@ -29,7 +29,7 @@ ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold":
 
 def whole(module: nn.Module) -> bool:
     """Whether every parameter of ``module`` holds its whole data on this rank now."""
-    return all(p.data.numel() == p.ds_numel for p in module.parameters())
+    return all(p.numel() == p.ds_numel for p in module.parameters())
 
 
 class GatheredGAN(pl.LightningModule):

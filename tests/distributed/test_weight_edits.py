@@ -84,6 +84,56 @@ class EditedInBlock(Edited):
             shrink(net, SHRINK if self.global_rank == 0 else 0.5)
 
 
+class EditedOutside(Edited):
+    """ZeRO-3, no block: ``shrink`` edits after the step, ``teacher`` moves a frozen ZeRO-3 copy towards the trained
+    net by hand (a momentum teacher), ``forward`` reads a weight's ``data`` in its own forward only, and ``child``
+    does so calling the net's layers one by one (each gathered by its own forward)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.teacher = regression_model(1).requires_grad_(False)
+        if how in ("forward", "child"):
+            self.net[0] = ReadsItsWeight(4, 8)
+
+    def on_train_start(self) -> None:
+        pass
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        super().training_step(batch, batch_idx) if self.how == "shrink" else self._step_and_follow(batch)
+
+    def _step_and_follow(self, batch: torch.Tensor) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        net = (lambda x: self.net[2](self.net[1](self.net[0](x)))) if self.how == "child" else self.net
+        self.manual_backward(regression_loss(net, batch) + 0 * self.teacher(batch[:, :4]).sum())
+        opt.step()
+        if self.how == "teacher":
+            for mine, followed in zip(self.teacher.parameters(), self.net.parameters(), strict=True):
+                mine.data.mul_(0.9).add_(followed.detach(), alpha=0.1)
+
+
+class ReadsItsWeight(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight / self.weight.data.norm().clamp(min=1.0), self.bias)
+
+
+def edit_outside_blocks() -> dict[str, str]:
+    """On each rank: what each :class:`EditedOutside` fit at ZeRO-3 ended with, and whether the classes came back."""
+    results, modules = {}, []
+    for how in ("shrink", "teacher", "forward", "child"):
+        modules.append(EditedOutside(how))
+        strategy = MultiDeepSpeedStrategy(stage=3, engine_configs={"teacher": {}})
+        trainer = cpu_trainer(strategy, use_distributed_sampler=False, enable_checkpointing=False)
+        try:
+            trainer.fit(modules[-1])
+            results[how] = "ok"
+        except RuntimeError as error:
+            results[how] = str(error)
+    results["restored"] = str(all(type(p) is nn.Parameter for module in modules for p in module.parameters()))
+    return results
+
+
 def fit_edited(folder: str) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
     """On each rank: the weights after each case's fit, then after each of :data:`IN_BLOCK`'s; and for each of
     :data:`CASES`, the weights of a checkpoint saved in ``folder`` as training ends (even cases) or after the fit
@@ -169,3 +219,16 @@ def test_weight_edits_in_a_gathered_block_with_a_modifier_rank_reach_the_next_st
     fits: list[list[dict[str, torch.Tensor]]], case: int
 ) -> None:
     assert_as_pytorch(fits, len(CASES) + case, IN_BLOCK[case][1])
+
+
+def test_a_zero3_weight_touched_through_data_outside_its_forward_and_blocks_is_refused() -> None:
+    """Between steps a ZeRO-3 weight is an empty partition: an edit through ``p.data`` would change nothing, unseen."""
+    for rank, results in enumerate(on_ranks(edit_outside_blocks)):
+        assert results.pop("forward") == "ok", f"rank {rank}: a read in the weight's own forward is DDP's"
+        assert results.pop("child") == "ok", f"rank {rank}: so is one in a submodule's forward called directly"
+        assert results.pop("restored") == "True", f"rank {rank}: teardown gives the parameters their class back"
+        for how, name in [("shrink", "net"), ("teacher", "teacher")]:
+            message = results[how]
+            expected = f"`param.data` of a parameter of engine {name!r} (ZeRO-3) was read outside its forward (in "
+            assert message.startswith(expected + __name__), f"rank {rank}, {how}: {message}"
+            assert f"gathered({name!r}, modifier_rank=0)" in message and "ema=" in message, message

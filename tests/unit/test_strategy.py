@@ -5,7 +5,7 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids._planning import check_clip_algorithm, warn_gradient_readers
+from lightning_multids._planning import check_clip_algorithm, warn_clipping_overrides
 from lightning_multids._precision import EnginePrecision
 from tests import fakes
 
@@ -83,19 +83,19 @@ def _fake_engine(stage: int) -> SimpleNamespace:
     return SimpleNamespace(zero_optimization_partition_gradients=lambda: stage >= 2)
 
 
-def test_hooks_that_read_param_grad_at_zero2_3_are_warned_about() -> None:
+def test_an_overridden_configure_gradient_clipping_is_warned_about() -> None:
     module = _ReadsGradients()
-    with pytest.warns(UserWarning, match=r"overrides `on_before_optimizer_step`.*\['d'\].*full_gradients"):
-        warn_gradient_readers(module, {"g": _fake_engine(1), "d": _fake_engine(3)})  # type: ignore[dict-item]
+    with pytest.warns(UserWarning, match=r"overrides `configure_gradient_clipping`: only .*\['d'\]"):
+        warn_clipping_overrides(module, {"g": _fake_engine(1), "d": _fake_engine(3)})  # type: ignore[dict-item]
     module.automatic_optimization = False
     with pytest.warns(UserWarning, match=r"`configure_gradient_clipping`, which Lightning calls only in automatic"):
-        warn_gradient_readers(module, {"g": _fake_engine(1)})  # type: ignore[dict-item]
+        warn_clipping_overrides(module, {"g": _fake_engine(1)})  # type: ignore[dict-item]
 
 
 def test_nothing_is_warned_about_for_lightning_own_hooks() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warn_gradient_readers(pl.LightningModule(), {"d": _fake_engine(3)})  # type: ignore[dict-item]
+        warn_clipping_overrides(pl.LightningModule(), {"d": _fake_engine(3)})  # type: ignore[dict-item]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,36 @@
+"""``ParameterGuard``: a check on ``param.grad``/``param.data`` while enabled, and the parameters' class back after."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_multids._compat.torch import ParameterGuard
+
+
+def refuse(param: torch.Tensor, reader: str, verb: str) -> None:
+    raise RuntimeError(f"{verb} from {reader}")
+
+
+def test_a_check_runs_while_enabled_and_not_suspended_and_the_class_comes_back() -> None:
+    layer = nn.Linear(2, 2)
+    guard = ParameterGuard(list(layer.parameters()), {"grad": refuse})
+    assert type(layer.weight) is nn.Parameter, "nothing enabled: the parameter keeps its class"
+    guard.enable("grad")
+    with pytest.raises(RuntimeError, match=f"read from {__name__}"):
+        layer.weight.grad  # noqa: B018
+    with pytest.raises(RuntimeError, match=f"set from {__name__}"):
+        layer.weight.grad = torch.zeros(2, 2)
+    assert layer.weight.data.shape == (2, 2), "an attribute without a check passes"
+    with guard.suspended():
+        assert layer.weight.grad is None and type(layer.weight) is nn.Parameter
+    copied = copy.deepcopy(layer)
+    assert type(copied.weight) is nn.Parameter and copied.weight.grad is None, "a copy is not guarded"
+    assert isinstance(layer.weight, nn.Parameter) and repr(type(layer.weight)) == repr(nn.Parameter)
+    assert torch.equal(pickle.loads(pickle.dumps(layer)).weight, layer.weight)
+    guard.close()
+    assert type(layer.weight) is nn.Parameter and layer.weight.grad is None
