@@ -324,14 +324,14 @@ def draw_case(seed: int, rng: random.Random, switches: Switches) -> Case:
 def draw_touches(rng: random.Random, case: Case, phase: Phase, switches: Switches) -> None:
     """Maybe clipping before the owner's step and an edit of its weights after the phase.
 
-    A plain edit of a ZeRO-3 engine's weights changes nothing (they are empty partitions between steps; a documented
-    limitation): at ZeRO-3, before or after a resume, the edit is made in a ``gathered`` block.
+    A plain edit of a ZeRO-3 engine's weights (empty partitions between steps) is refused: at ZeRO-3, before or after
+    a resume, the edit is mostly made in a ``gathered`` block, and plainly one time in five, for the refusal.
     """
     if chance(rng, 0.25, switches.touches):
         phase.clip = rng.choice((0.05, 0.5))
     if chance(rng, 0.3, switches.touches):
         stages = {case.engine(phase.owner).stage, case.resume.stages.get(phase.owner, 0) if case.resume else 0}
-        phase.edit = "block" if 3 in stages or rng.random() < 0.5 else "plain"
+        phase.edit = "block" if rng.random() < (0.8 if 3 in stages else 0.5) else "plain"
 
 
 def draw_sharing(rng: random.Random, case: Case, switches: Switches) -> None:

@@ -223,16 +223,23 @@ def supported(case: Case) -> bool:
 def refusal(case: Case) -> str | None:
     """What the strategy must refuse in ``case``, as a pattern of its message; None where it must train.
 
-    Two engines sharing a layer, at setup; a resume that changes a trained engine's ZeRO stage other than between
-    1 and 2 (DeepSpeed cannot load the optimizer state), at load.
+    Two engines sharing a layer, at setup; a plain edit (``p.data``) of a ZeRO-3 engine's weights, at the edit; a
+    resume that changes a trained engine's ZeRO stage other than between 1 and 2 (DeepSpeed cannot load the
+    optimizer state), at load.
     """
     if any(engine.shares for engine in case.engines):  # two optimizers holding it are refused first
         return "share a parameter|is in optimizer [0-9] and optimizer [0-9]"
+    edited = {phase.owner for phase in case.phases if phase.edit == "plain"}
+    partitioned = r"\(ZeRO-3\) was (read|set) outside"
+    if any(case.engine(name).stage == 3 for name in edited):
+        return partitioned
     if case.resume is not None:
         for name, stage in case.resume.stages.items():
             engine = case.engine(name)
             if engine.trained and stage != engine.stage and {stage, engine.stage} != {1, 2}:
                 return "DeepSpeed cannot load its optimizer state into another stage"
+        if any(case.resume.stages.get(name, case.engine(name).stage) == 3 for name in edited):
+            return partitioned
     return None
 
 
