@@ -35,7 +35,7 @@ LANE_TARGETS ?= pytest
 # `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
 # `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
 unexport VENV PYTHON TORCH_SPEC WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
-.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch clean
+.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -121,7 +121,7 @@ gpu-wheels: $(STAMP)
 		$$($(PY) -m pip list --format=freeze 2>/dev/null | grep -i '^deepspeed==')
 	ls .gpu/whl
 
-bench: bench-overhead bench-host bench-hooks bench-memory bench-frozen bench-gradcache bench-generation
+bench: bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation
 
 bench-overhead: $(STAMP)
 	for stage in 0 1 2 3; do \
@@ -142,6 +142,9 @@ bench-host: $(STAMP)
 # The cost of one gradient hook per parameter: the strategy's, a bare one, torch's multi-grad hook (one process).
 bench-hooks: $(STAMP)
 	$(PY) benchmarks/hooks.py --params 300
+
+bench-guards: $(STAMP)
+	cd benchmarks && ../$(VENV)/bin/torchrun --nproc-per-node 1 grad_reads.py --out ../outputs/bench/grad_reads.json
 
 # Not part of `bench`: needs CUDA GPUs (all of this machine's, over nccl) and a CUDA build of torch.
 GPUS ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
