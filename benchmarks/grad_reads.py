@@ -30,7 +30,7 @@ from lightning_multids._compat import torch as torch_compat
 
 
 class _Counting:
-    """The tensor base class's ``grad`` descriptor as the guard reads it, with its reads counted."""
+    """A descriptor of the tensor base class as the guard's properties use it, with reads and writes counted."""
 
     def __init__(self, descriptor: Any) -> None:
         self.descriptor, self.reads = descriptor, 0
@@ -40,6 +40,7 @@ class _Counting:
         return self.descriptor.__get__(obj, owner)
 
     def __set__(self, obj: Any, value: Any) -> None:
+        self.reads += 1
         self.descriptor.__set__(obj, value)
 
     def __delete__(self, obj: Any) -> None:

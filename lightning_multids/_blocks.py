@@ -366,11 +366,12 @@ def refuse_partitioned_weights(name: str) -> Callable[[torch.Tensor, str, str], 
     rank's partition: ``param.data`` is empty (small weights, under ``stage3_param_persistence_threshold``, stay
     whole, but a change to them never reaches the partition and is overwritten at the next step). Under DDP it is
     the whole weight, and an edit through it (WGAN's clamp, a momentum teacher's update) trains on. An access from
-    user code there is refused; one from torch, DeepSpeed or the strategy passes.
+    user code there is refused, and so is ``param.data = ...`` anywhere outside a block; one from torch, DeepSpeed
+    or the strategy passes. (An in-place edit through ``param.data`` inside a forward reads it, and is lost.)
     """
 
     def check(param: torch.Tensor, reader: str, verb: str) -> None:
-        if from_own_code(reader) or ds_compat.in_use(param):
+        if from_own_code(reader) or (verb == "read" and ds_compat.in_use(param)):
             return
         raise RuntimeError(
             f"`param.data` of a parameter of engine {name!r} (ZeRO-3) was {verb} outside its forward (in "

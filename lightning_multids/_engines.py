@@ -157,40 +157,43 @@ class EngineSet:
         """Refuse user code's accesses to state that is DeepSpeed's, not DDP's, where it is touched; the undo.
 
         ``param.grad`` of a trainable engine between a backward and its step (``_gradients.refuse_gradient_read``),
-        and ``param.data`` of a ZeRO-3 engine outside its forward, the backward, its step and ``gathered`` blocks
-        (``_blocks.refuse_partitioned_weights``).
-        Each engine's :class:`~lightning_multids._compat.torch.ParameterGuard` is suspended while the strategy
-        calls DeepSpeed, so DeepSpeed's own accesses cost nothing extra.
+        and ``param.data`` of a ZeRO-3 engine where no submodule holding it runs, outside ``gathered`` blocks
+        (``_blocks.refuse_partitioned_weights``). Each engine's
+        :class:`~lightning_multids._compat.torch.ParameterGuard` is suspended while the strategy runs the backward
+        and the engine's step, so most of DeepSpeed's own accesses cost nothing extra.
         """
-        handles: list[RemovableHandle] = []
-        for record in self.records.values():
-            checks: dict[str, torch_compat.Check] = {}
-            stage = record.engine.zero_optimization_stage()
-            if record.optimizer is not None:
-                checks["grad"] = refuse_gradient_read(record.name, stage)
-            if stage == 3:
-                checks["data"] = refuse_partitioned_weights(record.name)
-            if not checks:
-                continue
-            guard = record.guard = torch_compat.ParameterGuard(list(record.engine.module.parameters()), checks)
-            if record.optimizer is not None:
-                record.optimizer.guard = guard
-            if stage == 3:
-                guard.enable("data")
-                handles += _unguarded_in_forward(record.engine.module, guard)
-        guarded = [record for record in self.records.values() if record.guard is not None]
 
         def undo() -> None:
-            for handle in handles:
-                handle.remove()
-            for record in guarded:
+            for record in self.records.values():
                 if record.optimizer is not None:
                     record.optimizer.guard = None
                 if record.guard is not None:
                     record.guard.close()
                 record.guard = None
 
+        try:
+            for record in self.records.values():
+                self._guard(record)
+        except BaseException:
+            undo()
+            raise
         return undo
+
+    @staticmethod
+    def _guard(record: EngineRecord) -> None:
+        checks: dict[str, torch_compat.Check] = {}
+        stage = record.engine.zero_optimization_stage()
+        if record.optimizer is not None:
+            checks["grad"] = refuse_gradient_read(record.name, stage)
+        if stage == 3:
+            checks["data"] = refuse_partitioned_weights(record.name)
+        if not checks:
+            return
+        record.guard = torch_compat.ParameterGuard(list(record.engine.module.parameters()), checks)
+        if record.optimizer is not None:
+            record.optimizer.guard = record.guard
+        if stage == 3:
+            record.guard.enable("data")
 
     def take_weight_edits(self) -> None:
         """Carry edits of the trainable engines' weights since their last step into their fp32 master copies."""
@@ -350,12 +353,3 @@ whole (seen with torch 2.11-2.13); narrow, so that an unrelated error keeps its 
 
 def _several_ranks() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-
-
-def _unguarded_in_forward(module: torch.nn.Module, guard: torch_compat.ParameterGuard) -> list[RemovableHandle]:
-    """Suspend ``guard``'s check of ``data`` in ZeRO-3 ``module``'s forward, where DeepSpeed gathers and releases.
-
-    Only for cost: the check passes for a parameter in use by a running submodule anyway (a child called directly).
-    """
-    suspend = module.register_forward_pre_hook(lambda *_: guard.suspend("data"), prepend=True)
-    return [suspend, module.register_forward_hook(lambda *_: guard.resume("data"), always_call=True)]

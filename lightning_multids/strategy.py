@@ -254,6 +254,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """
         assert self.accelerator is not None and self.model is not None
         self.release()  # the last fit's engines, before building new ones
+        self._unguard_gradients()  # a setup after one whose teardown did not run
+        self._unguard_gradients = _nothing
         self._failed = False
         self._buffers_due = True
         self._show_zero_deprecations()  # a setup after one whose teardown did not run
@@ -313,10 +315,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
             self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_configs)
         warn_clipping_overrides(module, self._engine_set.trainable_engines)
-        self._unguard_gradients()  # a setup after one whose teardown did not run
         stages = {name: e.zero_optimization_stage() for name, e in self._engine_set.trainable_engines.items()}
-        allow_clipping = torch_compat.guard_gradient_clipping(refuse_engine_clipping(self._engine_set.owners, stages))
-        self._unguard_gradients = _chain(allow_clipping, self._engine_set.guard_parameters())
+        self._unguard_gradients = torch_compat.guard_gradient_clipping(
+            refuse_engine_clipping(self._engine_set.owners, stages)
+        )
+        self._unguard_gradients = _chain(self._unguard_gradients, self._engine_set.guard_parameters())
         self.optimizers = list[Optimizer](self._engine_set.optimizers)
         self.lr_scheduler_configs = self._engine_set.scheduler_configs
         self._restore_summary = count_partitioned(trainer, self._engine_set.engines)  # before on_fit_start

@@ -826,7 +826,7 @@ def in_use(param: torch.Tensor) -> bool:
     Its weights are whole there; elsewhere they are this rank's partition, or, for a persistent (small) parameter,
     whole but overwritten from the partition at the next step.
     """
-    return bool(param.ds_active_sub_modules)  # type: ignore[attr-defined]
+    return bool(getattr(param, "ds_active_sub_modules", None))
 
 
 def _zero3_offload(engine: DeepSpeedEngine) -> DeepSpeedZeRoOffload:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_multids._blocks import refuse_partitioned_weights
 from lightning_multids._compat.torch import ParameterGuard
 
 
@@ -34,3 +35,16 @@ def test_a_check_runs_while_enabled_and_not_suspended_and_the_class_comes_back()
     assert torch.equal(pickle.loads(pickle.dumps(layer)).weight, layer.weight)
     guard.close()
     assert type(layer.weight) is nn.Parameter and layer.weight.grad is None
+
+
+def test_a_zero3_weight_is_refused_to_user_code_unless_a_submodule_holding_it_runs() -> None:
+    check = refuse_partitioned_weights("critic")
+    weight = nn.Parameter(torch.zeros(0))
+    weight.ds_active_sub_modules = set()  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match=r"`param.data` of a parameter of engine 'critic' \(ZeRO-3\) was read"):
+        check(weight, "my_module", "read")
+    check(weight, "deepspeed.runtime.zero.partition_parameters", "set")  # DeepSpeed's own
+    weight.ds_active_sub_modules.add(7)  # type: ignore[attr-defined]
+    check(weight, "my_module", "read")  # in its submodule's forward: whole
+    with pytest.raises(RuntimeError, match=r"was set outside its forward"):
+        check(weight, "my_module", "set")
