@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.torch import forward_class
 
-_REENTRANT = (torch.utils.checkpoint.CheckpointFunction, *ds_compat.reentrant_checkpoint_functions())
+REENTRANT = (torch.utils.checkpoint.CheckpointFunction, *ds_compat.reentrant_checkpoint_functions())
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def reached_engines(loss: torch.Tensor, owners: Mapping[int, str]) -> Reach:
             if name is not None:
                 found.add(name)
             continue
-        if forward_class(node) in _REENTRANT:
+        if forward_class(node) in REENTRANT:
             hidden = True
         for child, _ in node.next_functions:
             if child is not None and child not in seen:

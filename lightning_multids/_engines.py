@@ -214,9 +214,9 @@ class EngineSet:
     def backward(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
         """Route the body's backward of the yielded (loss-scaled) tensor through every engine ``loss`` reaches.
 
-        Raises if ``loss`` reaches no trainable engine (it would train nothing), after the backward; with several
-        ranks, only if it reaches none on any rank (the ranks agree after each backward, see
-        :func:`~lightning_multids._routing.agree`). An exception in the backward leaves the engines it reached
+        Raises if ``loss`` reaches no trainable engine (it would train nothing); with several ranks and
+        ``find_unused_parameters=True``, only if it reaches none on any rank (the ranks agree after each backward,
+        see :func:`~lightning_multids._routing.agree`). An exception in the backward leaves the engines it reached
         clean, without their gradients of this step. A body that runs no backward (a ``LightningModule.backward``
         override that skips a batch) leaves the engines without gradients, so the next step changes nothing, as
         under DDP.
@@ -231,8 +231,9 @@ class EngineSet:
     @contextmanager
     def _routed(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
         self._refuse_unfrozen()
+        agreeing = self.router.find_unused and _several_ranks()
         if loss.grad_fn is None:
-            if not _several_ranks():
+            if not agreeing:
                 self._refuse_untrained()
             loss = loss.detach() + torch.zeros((), device=loss.device, requires_grad=True)  # agree with the others
         trainable = self.trainable_engines
@@ -244,7 +245,7 @@ class EngineSet:
             reach = reached_engines(loss, self.owners)
             scale, factors = loss_scaling(scales if reach.hidden else {n: scales[n] for n in reach.names})
         zero3 = sorted(name for name, engine in trainable.items() if engine.zero_optimization_stage() == 3)
-        if zero3 and _several_ranks():
+        if zero3 and agreeing:
             walked = reach if reach is not UNWALKED else reached_engines(loss, self.owners)
             refuse_uneven_zero3(walked, zero3, trainable[zero3[0]].device)
         with self.router.routed(loss, trainable, reach, factors) as route:
@@ -305,7 +306,9 @@ class EngineSet:
             f"`manual_backward` got a loss that reaches no trainable engine ({trainable}): it would train "
             "nothing. Compute the loss from the outputs of those submodules without `.detach()` or "
             "`torch.no_grad()`, and check that `toggle_optimizer` has not turned off the gradients of the engine "
-            "you mean to train."
+            "you mean to train. Where the loss reaches an engine on some ranks only, each rank's backward must "
+            "still run through it: `MultiDeepSpeedStrategy(find_unused_parameters=True)` makes the ranks agree "
+            "after each backward."
         )
 
     def for_no_sync(self, names: tuple[str, ...]) -> list[EngineRecord]:

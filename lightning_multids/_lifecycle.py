@@ -41,6 +41,7 @@ from lightning_multids._ema import Average, build_averager, check_averages
 from lightning_multids._engines import EngineSet
 from lightning_multids._planning import Plan, check_batch_settings, config_scheduler, plan_engines
 from lightning_multids._precision import autocast_off, cast_inputs, engine_dtype
+from lightning_multids._routing import Router
 
 
 def build_engines(
@@ -54,6 +55,7 @@ def build_engines(
     device_type: str = "cpu",
     agree: Callable[[BaseException | None], None] = lambda error: None,
     averages: Mapping[str, Average] | None = None,
+    find_unused: bool = False,
 ) -> EngineSet:
     """Build the engines of ``module``: trainable ones first, in ``self.optimizers()`` order, then frozen ones.
 
@@ -91,7 +93,7 @@ def build_engines(
     with _agreed(agree):
         plan = plan_engines(trainer, module, configs, overrides)
         check_averages(averages or {}, module, [*plan.matched, *plan.from_config], configs)
-    result = EngineSet()
+    result = EngineSet(router=Router(find_unused))
     _build_trainable(result, module, plan, configs)
     for name, config in plan.frozen.items():
         _add_frozen(result, name, build_frozen_engine(getattr(module, name), config))

@@ -261,8 +261,10 @@ class EngineOptimizer(Optimizer):
                 f"`opt.step()` of engine {self.name!r} was called with no gradient since its last step or "
                 "`zero_grad()`: no `self.manual_backward(loss)` reached this engine (or a `backward` override of the "
                 "LightningModule skipped it), so the step would do nothing. "
-                "Call `self.manual_backward(loss)` on a loss computed from this submodule first, and `zero_grad()` "
-                "before the backward, not between the backward and the step."
+                "Call `self.manual_backward(loss)` on a loss computed from this submodule first (not "
+                "`loss.backward()`), and `zero_grad()` before the backward, not between the backward and the step. "
+                "Where the loss reaches this engine on some ranks only, use "
+                "`MultiDeepSpeedStrategy(find_unused_parameters=True)`: the ranks then agree after each backward."
             )
 
     def _report_skipped_step(self, step: int) -> None:

@@ -35,17 +35,25 @@ reduce-scatter at stage 2/3) and the ZeRO-3 module hooks that gather and release
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from deepspeed import DeepSpeedEngine
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
-from lightning_multids._compat.torch import accumulates_into, current_graph_task_id, queue_callback
-from lightning_multids._discovery import UNWALKED, Reach
+from lightning_multids._compat.torch import (
+    ForwardCounter,
+    accumulates_into,
+    current_graph_task_id,
+    queue_callback,
+    will_execute,
+)
+from lightning_multids._discovery import REENTRANT, UNWALKED, Reach
 
 
 @dataclass
@@ -80,6 +88,12 @@ class Route:
     """Each engine's number of parameters (:meth:`Router.watch`), for :func:`agree`."""
     """Each engine's gradient factor (fp16 engines at different loss scales, :func:`precision.loss_scaling`)."""
     entered: dict[str, _Phases] = field(default_factory=dict)
+    agreeing: bool = False
+    hooked: bool = False
+    """Whether per-parameter hooks see this backward's gradients arrive (after a reentrant checkpoint's forward)."""
+    """Whether the ranks agree on the reach after the backward (``find_unused_parameters=True``, :func:`agree`)."""
+    unreached: dict[str, list[int]] = field(default_factory=dict)
+    """Each entered engine's trained parameters (by index) that the backward does not reach, where there are some."""
     root_task: int = -1
     ran: bool = False
     """Whether the body ran a backward through the loss (a ``LightningModule.backward`` override may skip it)."""
@@ -100,7 +114,7 @@ class Route:
         inside a reentrant checkpoint), the epilogue runs without its reduction: ZeRO-2 cannot reduce an
         empty bucket.
         """
-        uneven = agree(self)
+        uneven = agree(self) if self.agreeing else self._fill_unreached()
         for name in sorted(self.entered):
             engine, phases = self.engines[name], self.entered[name]
             if name in uneven:
@@ -109,6 +123,33 @@ class Route:
             nothing_left = bool(phases.ended) and not phases.pending
             stage2_done = nothing_left and engine.zero_optimization_stage() == 2 and not ds_compat.in_no_sync(engine)
             ds_compat.end_backward(engine, reduce=not stage2_done)
+
+    def _fill_unreached(self) -> set[str]:
+        """Without agreement: give the unreached trained parameters of an entered ZeRO-0/1 engine zero gradients.
+
+        Every rank then reduces every parameter (ZeRO-0's reduction fills them itself; ZeRO-1's would skip them), so
+        ranks whose reach differs inside an engine still reduce alike, with no collective of the router's own. A
+        ZeRO-2/3 engine buckets its gradients in arrival order, which only agreement can even out: refused.
+        """
+        if self.hooked:
+            self.unreached = {name: missing for name in self.entered if (missing := self._not_arrived(name))}
+            self.refuse_unreached()
+        for name in sorted(self.unreached):
+            if self.engines[name].zero_optimization_stage() == 1:
+                ds_compat.fill_missing_gradients(self.engines[name])
+        return set()
+
+    def refuse_unreached(self) -> None:
+        """Without agreement: refuse a ZeRO-2/3 engine that the loss reaches in part (see :meth:`_fill_unreached`)."""
+        for name in sorted(self.unreached):
+            engine = self.engines[name]
+            if engine.zero_optimization_partition_gradients():
+                _refuse_unreached(name, engine, self.unreached[name])
+
+    def _not_arrived(self, name: str) -> list[int]:
+        arrived = self.entered[name].arrived
+        params = self.engines[name].module.parameters()
+        return [index for index, param in enumerate(params) if param.requires_grad and index not in arrived]
 
     def _even_out(self, name: str, engine: DeepSpeedEngine, phases: _Phases) -> None:
         """End the backward of an engine whose reach differs between ranks, as DDP does: zeros where unreached.
@@ -138,39 +179,151 @@ class Route:
             ds_compat.leave_backward(self.engines[name])
 
 
+@dataclass
+class _Watched:
+    """One trainable engine's parameters and their gradient accumulators, held from setup to teardown."""
+
+    name: str
+    engine: DeepSpeedEngine
+    params: list[torch.nn.Parameter]
+    nodes: list[Any]
+    """The gradient accumulator of each parameter in ``indices``: :data:`will_execute` tells which a backward runs."""
+    indices: list[int]
+    late: list[int]
+    """The parameters that did not require a gradient at setup: held once they do."""
+
+    def hold_late(self) -> None:
+        """Hold the accumulators of the parameters that started to require a gradient since setup."""
+        if not any(self.params[index].requires_grad for index in self.late):
+            return
+        for index in [index for index in self.late if self.params[index].requires_grad]:
+            self.nodes.append(ds_compat.gradient_accumulator(self.params[index]))
+            self.indices.append(index)
+            self.late.remove(index)
+
+    def unreached(self, executed: list[bool]) -> list[int]:
+        """The parameters that require a gradient and that the backward does not reach (by index)."""
+        return [i for i, hit in zip(self.indices, executed, strict=True) if not hit and self.params[i].requires_grad]
+
+
 class Router:
     """Routes each backward through the engines it reaches; holds the backward running now, for the gradient hooks.
 
     Not thread-local: autograd runs a CUDA backward, and so the parameter hooks, on its own device thread.
+
+    By default a backward learns what it reaches from one query of the autograd engine when it starts (each
+    engine's gradient accumulators, :data:`~lightning_multids._compat.torch.will_execute`): no Python runs per
+    parameter and no collective. Per-parameter tensor hooks (:meth:`_gradient_hook`) are added where the query
+    cannot see: for a backward after a reentrant activation checkpoint's forward (its parameters appear only in its
+    own nested backward), and for every backward with ``find_unused=True`` (``find_unused_parameters``), where the
+    ranks compare what each reached, in order, after the backward (:func:`agree`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, find_unused: bool = False) -> None:
         self.current: Route | None = None
+        self.find_unused = find_unused
         self.sizes: dict[str, int] = {}
         """Each watched engine's number of parameters."""
+        self._watched: OrderedDict[int, _Watched] = OrderedDict()  # a dict a handle can refer to weakly
+        """By the id of the handle :meth:`watch` returned: removing the handle lets the accumulators go."""
+        self._hooks: dict[str, list[Callable[[torch.Tensor], torch.Tensor | None]]] = {}
+        self._checkpoints: ForwardCounter | None = None
+        """Counts reentrant checkpoints' forwards: once one ran in this fit, every backward is hooked too."""
 
     def watch(self, name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
-        """Hook ``engine``'s trainable parameters (once, at setup) so a routed backward sees their gradients arrive.
+        """Hold ``engine``'s gradient accumulators (once, at setup); returns the handles that teardown removes.
 
-        Returns the hooks' handles, for teardown.
-
-        The hook is a tensor hook, so it runs before the gradient is accumulated and before ZeRO's own
-        reduction hooks (which DeepSpeed registers after accumulation). It does three things:
-
-        * it enters the engine, on its first gradient in the backward, unless a walk already did;
-        * it multiplies the gradient by the engine's factor, where fp16 engines at different loss scales share
-          the loss;
-        * under reentrant activation checkpointing every checkpointed segment runs its own nested backward
-          (its own autograd graph task). A parameter used in two segments (a checkpointed discriminator
-          called on real and on fake data) then receives its gradient twice in one backward, which ZeRO-2/3
-          can only reduce if an epilogue runs in between. DeepSpeed's post-backward callback runs once, at
-          the end of the outer graph task, so the router closes each nested phase itself.
+        With ``find_unused``, also hook its trainable parameters (:meth:`_gradient_hook`) for every backward.
         """
         params = list(engine.module.parameters())
         self.sizes[name] = len(params)
+        trained = [index for index, param in enumerate(params) if param.requires_grad]
+        late = [index for index, param in enumerate(params) if not param.requires_grad]
+        nodes = [ds_compat.gradient_accumulator(params[index]) for index in trained]
+        held = RemovableHandle(self._watched)
+        self._watched[held.id] = _Watched(name, engine, params, nodes, trained, late)
+        self._hooks[name] = [self._gradient_hook(name, engine, index) for index in range(len(params))]
+        if self._checkpoints is None:
+            self._checkpoints = ForwardCounter(REENTRANT)
+        handles = [held, _Closing(self._stop_counting)]
+        if self.find_unused:
+            handles += [p.register_hook(self._hooks[name][i]) for i, p in enumerate(params) if p.requires_grad]
+        else:
+            handles.append(engine.module.register_forward_hook(self._output_hook(name)))
+        return handles
+
+    def _accumulates(self, name: str) -> bool:
+        """Inside a backward: whether it gives a parameter of engine ``name`` a gradient (not under autograd.grad)."""
+        for watched in self._watched.values():
+            if watched.name == name:
+                try:
+                    return any(map(will_execute, watched.nodes))
+                except RuntimeError:  # "... we are currently running autograd.grad()": nothing is accumulated
+                    return False
+        return False
+
+    def _output_hook(self, name: str) -> Callable[..., None]:
+        """A forward hook of engine ``name``'s module: a backward outside a route through its output is refused.
+
+        Without per-parameter hooks, the engine's outputs carry the check (one tensor hook per call with a
+        gradient, as ``engine.forward`` puts its own on every output): a plain ``loss.backward()`` through them is
+        refused before it reaches the parameters. A weight read outside ``forward`` is not seen there; the engine's
+        ``opt.step()`` then refuses to step without a routed backward.
+        """
+
+        def check(grad: torch.Tensor) -> None:
+            if self.current is None and self._accumulates(name):
+                _refuse_unrouted(name)
+
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if torch.is_grad_enabled():
+                for tensor in _tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(check)
+
+        return hook
+
+    def _stop_counting(self) -> None:
+        """After a watched engine's handle was removed (teardown): once none is left, stop counting and hooking."""
+        if self._watched:
+            return
+        self._hooks.clear()
+        if self._checkpoints is not None:
+            self._checkpoints.close()
+            self._checkpoints = None
+
+    def _start(self, route: Route) -> list[RemovableHandle]:
+        """At the start of ``route``'s backward: enter the engines it reaches; hook where the query cannot see.
+
+        Returns the hooks added for this backward only (after a reentrant checkpoint's forward).
+        """
+        watched = {w.name: w for w in self._watched.values() if route.engines.get(w.name) is w.engine}
+        try:
+            for name in sorted(watched):
+                entry = watched[name]
+                entry.hold_late()
+                executed = list(map(will_execute, entry.nodes))
+                if not any(executed):
+                    continue
+                if name not in route.entered:
+                    route.enter(name)
+                if not all(executed):
+                    unreached = entry.unreached(executed)
+                    if unreached:
+                        route.unreached[name] = unreached
+        except RuntimeError:  # under torch.autograd.grad: nothing is accumulated, nothing is reached
+            return []
+        checkpointed = self._checkpoints is not None and self._checkpoints.count > 0
+        if self.find_unused or not (checkpointed or route.factors):
+            if not self.find_unused:
+                route.refuse_unreached()
+            return []
+        route.unreached.clear()  # the hooks see what the nested backwards reach: judged after the backward
+        route.hooked = True
         return [
-            param.register_hook(self._gradient_hook(name, engine, index))
-            for index, param in enumerate(params)
+            param.register_hook(self._hooks[name][index])
+            for name in sorted(watched)
+            for index, param in enumerate(watched[name].params)
             if param.requires_grad
         ]
 
@@ -227,13 +380,15 @@ class Router:
         runs, since it would reduce on this rank alone: every entered engine is reset and drops its gradients
         of this step (:func:`~lightning_multids._compat.deepspeed.abandon_backward`), and leaves the backward.
         """
-        route = Route(engines, factors or {}, self.sizes)
+        route = Route(engines, factors or {}, self.sizes, agreeing=self.find_unused)
+        hooks: list[RemovableHandle] = []
 
-        def record_root(grad: torch.Tensor) -> torch.Tensor:
+        def start(grad: torch.Tensor) -> torch.Tensor:
             route.root_task, route.ran = current_graph_task_id(), True
+            hooks.extend(self._start(route))
             return grad
 
-        handle = loss.register_hook(record_root) if loss.requires_grad else None
+        handle = loss.register_hook(start) if loss.requires_grad else None
         previous, self.current = self.current, route
         try:
             for name in sorted(reach.names):
@@ -246,8 +401,31 @@ class Router:
         finally:
             self.current = previous
             route.leave()
-            if handle is not None:
-                handle.remove()
+            for hook in [*hooks, *([handle] if handle is not None else [])]:
+                hook.remove()
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a module's output: a tensor, or inside tuples, lists and dicts (a ``ModelOutput``)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, tuple | list):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, Mapping):
+        for item in output.values():
+            yield from _tensors(item)
+
+
+class _Closing(RemovableHandle):
+    """A handle whose removal calls ``close``."""
+
+    def __init__(self, close: Callable[[], None]) -> None:
+        super().__init__(OrderedDict())
+        self._close = close
+
+    def remove(self) -> None:
+        self._close()
 
 
 def _refuse_unrouted(name: str) -> None:
@@ -368,6 +546,19 @@ def refuse_uneven_zero3(reach: Reach, zero3: list[str], device: torch.device) ->
                 f"term that does not apply on a rank can be kept with weight zero: `loss + 0.0 * term`), or use "
                 f"ZeRO-0/1/2 for {name!r}, where the strategy evens the gradients out after the backward."
             )
+
+
+def _refuse_unreached(name: str, engine: DeepSpeedEngine, unreached: list[int]) -> None:
+    params = dict(enumerate(engine.module.named_parameters()))
+    names = ", ".join(params[index][0] for index in unreached[:3]) + (", ..." if len(unreached) > 3 else "")
+    raise RuntimeError(
+        f"The loss reached engine {name!r} but not all of its trained parameters ({names}). Its "
+        f"ZeRO-{engine.zero_optimization_stage()} reduction buckets gradients in the order they arrive, so ranks "
+        "that reach other parameters would mix them up; as under DDP, parameters left without a gradient need "
+        "`MultiDeepSpeedStrategy(find_unused_parameters=True)`, where the ranks compare what each backward reached "
+        f"and reduce alike (one all-reduce per backward). Or give the unused parameters `requires_grad=False`, or "
+        f"give {name!r} ZeRO-0/1, which fill them with zero gradients by themselves."
+    )
 
 
 def _refuse_reduced_uneven(name: str) -> None:

@@ -102,6 +102,13 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm's running statistics) to every rank at the start of
             each ``training_step``, as ``DDPStrategy(broadcast_buffers=True)``, its default, does before each forward;
             one coalesced broadcast a step where the module has buffers. ``False`` lets each rank keep its own.
+        find_unused_parameters: for losses whose reach differs between ranks, as ``DDPStrategy``'s option of that
+            name: an engine reached on some ranks only, or parameters of a ZeRO-2/3 engine that a loss leaves
+            without a gradient. The ranks then compare after each backward what each one reached (one all-reduce
+            and a read of its result, per backward) and even the gradients out; ZeRO-3 engines are checked before
+            it (a walk of the graph and one more all-reduce). By default a backward runs no collective of the
+            strategy's own: every rank must reach the same engines, and ZeRO-2/3 engines in full (ZeRO-0/1 fill
+            unreached parameters with zero gradients by themselves).
     """
 
     strategy_name = "multi_deepspeed"
@@ -123,6 +130,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ema: EmaArgument | None = None,
         gathered_timeout: timedelta | None = timedelta(minutes=5),
         broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
     ) -> None:
         _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
@@ -150,6 +158,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self.save_frozen = save_frozen
         self.gathered_timeout = gathered_timeout
         self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
         self._buffers_due = True
         """Whether the next ``training_step`` starts from rank 0's buffers (not within an accumulation window)."""
         self._arrival: Arrival | None = None
@@ -311,6 +320,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 agree_on_failure, world_size=self.world_size, rank=self.global_rank, device=self.root_device
             ),
             averages=self.averages,
+            find_unused=self.find_unused_parameters,
         )
         if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
             self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_configs)

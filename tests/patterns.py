@@ -27,6 +27,9 @@ PATTERNS = (
     "zero_grad_unreached",
     "reach_alternates",
 )
+PARTIAL_REACH = ("zero_grad_unreached", "reach_alternates")
+"""Patterns whose loss leaves some trained parameters of D without a gradient: at ZeRO-2/3 they need
+``find_unused_parameters=True`` (refused without it), as under DDP."""
 CLIP = 0.05
 CLIPPING = ("clipped", "step_interrupted")
 

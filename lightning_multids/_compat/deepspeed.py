@@ -52,6 +52,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch.optim import Optimizer
 
+from lightning_multids._compat import torch as torch_compat
+
 SUPPORTED_DEEPSPEED = ">=0.19.8,<0.20"
 """The DeepSpeed releases this module was read from and tested with."""
 
@@ -664,6 +666,25 @@ def local_gradient(param: torch.nn.Parameter) -> torch.Tensor:
 def full_shape(param: torch.nn.Parameter) -> torch.Size:
     """The parameter's whole shape, also when ZeRO-3 holds only a partition of it (``ds_shape``)."""
     return param.ds_shape if hasattr(param, "ds_shape") else param.shape
+
+
+def gradient_accumulator(param: torch.nn.Parameter) -> Any:
+    """The node that accumulates ``param``'s gradient, made for its whole shape also where ZeRO-3 partitioned it.
+
+    torch records a parameter's shape in its accumulator when it makes one, and checks every gradient against it;
+    ZeRO-3's gradients are whole. So a partitioned parameter's accumulator is made while its ``data`` is a whole-shape
+    view of a single element (no memory, no collective), then the partition is put back: the accumulator stays, as
+    long as something holds it, across ``data`` changes of one dtype and device.
+    """
+    shape = full_shape(param)
+    if param.shape == shape:
+        return torch_compat.gradient_accumulator(param)
+    partition = param.data
+    param.data = torch.empty((), dtype=partition.dtype, device=partition.device).expand(shape)
+    try:
+        return torch_compat.gradient_accumulator(param)
+    finally:
+        param.data = partition
 
 
 def whole_numel(param: torch.nn.Parameter) -> int:

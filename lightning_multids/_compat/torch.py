@@ -28,6 +28,65 @@ current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 """Which (nested) backward runs now: each reentrant checkpoint's backward is its own graph task; -1 outside."""
 
 
+will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node
+"""Inside a backward: whether it runs the given autograd node (for a parameter's gradient accumulator: whether the
+backward gives the parameter a gradient). Raises RuntimeError under ``torch.autograd.grad``."""
+
+
+def gradient_accumulator(param: torch.Tensor) -> Any:
+    """The node that accumulates ``param``'s gradient into ``param.grad`` (it must require a gradient).
+
+    torch keeps one per parameter for as long as something holds it (and makes a new one if its dtype or device
+    changes); the holder asks :data:`will_execute` about it in each backward.
+    """
+    with torch.enable_grad():  # also inside a backward, which runs its hooks with gradients off
+        return param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+
+
+class ForwardCounter:
+    """Counts the forwards of some autograd Functions (reentrant activation checkpoints) while it is open.
+
+    Each class's ``forward`` is wrapped once, however many counters are open; :meth:`close` unwraps it when the last
+    counter of that class closes.
+    """
+
+    _open: dict[type, list[ForwardCounter]] = {}  # noqa: RUF012 - one registry for the process
+    _originals: dict[type, Any] = {}  # noqa: RUF012
+
+    def __init__(self, functions: tuple[type, ...]) -> None:
+        self.count = 0
+        self._functions = functions
+        for function in functions:
+            counters = self._open.setdefault(function, [])
+            if not counters:
+                self._wrap(function)
+            counters.append(self)
+
+    @classmethod
+    def _wrap(cls, function: type) -> None:
+        original = function.__dict__["forward"]
+        cls._originals[function] = original
+        forward = original.__func__ if isinstance(original, staticmethod) else original
+
+        @functools.wraps(forward)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            for counter in cls._open.get(function, ()):
+                counter.count += 1
+            return forward(*args, **kwargs)
+
+        function.forward = staticmethod(counted)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        for function in self._functions:
+            counters = self._open.get(function, [])
+            if self in counters:
+                counters.remove(self)
+            if not counters and function in self._originals:
+                function.forward = self._originals.pop(function)  # type: ignore[attr-defined]
+                self._open.pop(function, None)
+        self._functions = ()
+
+
 def accumulates_into() -> bool:
     """Inside a parameter's tensor hook: whether this backward will accumulate the gradient into ``param.grad``.
 

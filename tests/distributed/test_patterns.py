@@ -137,6 +137,7 @@ def fit_patterns(stage: int, optimizer: str, steps: int, precision: str, names: 
             stage=stage,
             config=VARIANT_CONFIGS.get(pattern.partition("+")[2]),
             engine_configs=FP16_SCALES if precision == "16-mixed" else None,
+            find_unused_parameters=pattern.partition("+")[0] in patterns.PARTIAL_REACH,
         )
         engines_at_end = AtFitEnd(
             lambda s: {

@@ -55,12 +55,15 @@ class ReachModule(pl.LightningModule):
         return sharded_loader(self, patterns.make_batches(self.steps))
 
 
-def train_case(case: str, optimizer: str, steps: int, stage_g: int, stage_d: int, no_sync: bool) -> dict:
+def train_case(
+    case: str, optimizer: str, steps: int, stage_g: int, stage_d: int, no_sync: bool, find_unused: bool
+) -> dict:
     """On each rank: fit ``case``; the consolidated weights and each engine's backward state at the end of fit."""
     module = ReachModule(case, optimizer, steps, no_sync)
     strategy = MultiDeepSpeedStrategy(
         stage=stage_g,
         engine_configs={"discriminator": {"zero_optimization": {"stage": stage_d}}},
+        find_unused_parameters=find_unused,
     )
     at_end = AtFitEnd(lambda s: {name: backward_state(e) for name, e in s.engines.items()})
     trainer = cpu_trainer(strategy, callbacks=[at_end], enable_checkpointing=False, use_distributed_sampler=False)
@@ -70,7 +73,9 @@ def train_case(case: str, optimizer: str, steps: int, stage_g: int, stage_d: int
 
 
 def train(case: str, optimizer: str, stage_g: int, stage_d: int, *flags: str) -> dict:
-    return on_ranks(train_case, case, optimizer, STEPS, stage_g, stage_d, "no_sync" in flags, timeout=240)[0]
+    """Fit ``case`` on 2 ranks; the uneven case with ``find_unused_parameters=True``, which it needs."""
+    flag = "no_sync" in flags
+    return on_ranks(train_case, case, optimizer, STEPS, stage_g, stage_d, flag, case == "uneven", timeout=240)[0]
 
 
 def make_experts() -> tuple[nn.ModuleList, nn.ModuleList]:
@@ -114,9 +119,13 @@ class Experts(pl.LightningModule):
         return sharded_loader(self, EXPERT_DATA)
 
 
-def train_experts(stage_a: int, stage_b: int) -> dict[str, torch.Tensor]:
+def train_experts(stage_a: int, stage_b: int, find_unused: bool = True) -> dict[str, torch.Tensor]:
     """On each rank: fit :class:`Experts` with engine ``a`` at ZeRO-``stage_a``, ``b`` at ``stage_b``; the weights."""
-    strategy = MultiDeepSpeedStrategy(stage=stage_a, engine_configs={"b": {"zero_optimization": {"stage": stage_b}}})
+    strategy = MultiDeepSpeedStrategy(
+        stage=stage_a,
+        engine_configs={"b": {"zero_optimization": {"stage": stage_b}}},
+        find_unused_parameters=find_unused,
+    )
     trainer = cpu_trainer(strategy, enable_checkpointing=False, use_distributed_sampler=False)
     trainer.fit(Experts())
     state = strategy.consolidated_state_dict()
@@ -166,3 +175,21 @@ def test_ranks_reaching_as_many_parameters_but_other_ones_match_pytorch() -> Non
     trained, expected = on_ranks(train_experts, 1, 2, timeout=240)[0], experts_reference()
     for key, value in expected.items():
         assert (trained[key] - value).abs().max().item() <= TOLERANCE, key
+
+
+def test_ranks_reaching_other_parameters_of_zero0_and_zero1_engines_need_no_agreement() -> None:
+    """ZeRO-0/1 give unreached parameters zero gradients on each rank by themselves: the default step suffices."""
+    trained, expected = on_ranks(train_experts, 1, 0, False, timeout=240)[0], experts_reference()
+    for key, value in expected.items():
+        assert (trained[key] - value).abs().max().item() <= TOLERANCE, key
+
+
+def test_a_zero2_engine_reached_in_part_is_refused_without_find_unused_parameters() -> None:
+    with pytest.raises(AssertionError, match=r"reached engine 'b' but not all of its trained parameters"):
+        on_ranks(train_experts, 1, 2, False, timeout=240)
+
+
+def test_an_engine_reached_on_some_ranks_fails_without_find_unused_parameters() -> None:
+    """As DDP's default: the rank whose loss does not reach the engine refuses its step, naming the option."""
+    with pytest.raises(AssertionError, match=r"find_unused_parameters=True"):
+        on_ranks(train_case, "uneven", "sgd", STEPS, 0, 0, False, False, timeout=240)

@@ -50,6 +50,11 @@ class Graph:
         self.modules: dict[str, nn.Module] = {name: mlp() for name in (*TRAINABLE, "frozen", "plain")}
         self.modules["frozen"].requires_grad_(False)
         self.reentrant = False
+        self.calls: list[tuple[str, str]] = []
+        self.engines = {name: FakeEngine(name, self.modules[name], self.calls) for name in TRAINABLE}
+        self.router = Router()  # watching from before the forward, as from setup: it sees reentrant checkpoints
+        for name, engine in self.engines.items():
+            self.router.watch(name, engine)  # type: ignore[arg-type]
 
     def owners(self) -> dict[int, str]:
         return {id(p): name for name in TRAINABLE for p in self.modules[name].parameters()}
@@ -118,15 +123,11 @@ def autograd_reach(graph: Graph, loss: torch.Tensor) -> set[str]:
 
 def routed_backward(graph: Graph, loss: torch.Tensor, reach: Reach) -> tuple[set[str], list[tuple[str, str]]]:
     """Backpropagate ``loss`` through the strategy's routing with watched fake engines."""
-    calls: list[tuple[str, str]] = []
-    engines = {name: FakeEngine(name, graph.modules[name], calls) for name in TRAINABLE}
-    router = Router()
-    for name, engine in engines.items():
-        router.watch(name, engine)  # type: ignore[arg-type]
-    with router.routed(loss, engines, reach) as route:  # type: ignore[arg-type]
+    engines = graph.engines
+    with graph.router.routed(loss, engines, reach) as route:  # type: ignore[arg-type]
         loss.backward()
     assert not any(engine._running_engine_backward for engine in engines.values())
-    return set(route.entered), calls
+    return set(route.entered), graph.calls
 
 
 def check(seed: int, walk: Callable[[torch.Tensor, dict[int, str]], Reach] = reached_engines) -> str | None:
@@ -211,10 +212,11 @@ def test_an_engine_inside_a_checkpoint_is_entered_once(reentrant: bool) -> None:
     assert [c for c in calls if c[0] == "epilogue"] == [("epilogue", "a"), ("epilogue", "b")]
 
 
-def test_an_exception_in_backward_leaves_every_engine_out_of_it() -> None:
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_an_exception_in_backward_leaves_every_engine_out_of_it(find_unused: bool) -> None:
     graph = Graph(0)
     engines = {name: FakeEngine(name, graph.modules[name], []) for name in TRAINABLE}
-    router = Router()
+    router = Router(find_unused)
     for name, engine in engines.items():
         router.watch(name, engine)  # type: ignore[arg-type]
     loss = graph.modules["b"](graph.modules["a"](torch.randn(2, 4))).sum()
@@ -226,7 +228,7 @@ def test_an_exception_in_backward_leaves_every_engine_out_of_it() -> None:
     assert engines["a"].calls == [("prologue", "a"), ("cleared", "a")]
     assert router.current is None
     with pytest.raises(RuntimeError, match="backward outside `self.manual_backward`"):
-        loss.backward()  # outside a route a backward that reaches an engine is refused, entering nothing
+        loss.backward()  # outside a route (parameters' hooks, or by default the outputs') refused, entering nothing
     assert engines["a"].calls == [("prologue", "a"), ("cleared", "a")] and not engines["c"].calls
 
 

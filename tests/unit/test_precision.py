@@ -61,9 +61,8 @@ def test_each_engine_receives_gradients_at_its_own_loss_scale() -> None:
         own = loss_scale(engines[name])  # type: ignore[arg-type]
         for param, grad in zip(engines[name].module.parameters(), expected[name], strict=True):
             torch.testing.assert_close(param.grad, grad * own)
-    with pytest.raises(RuntimeError, match="backward outside `self.manual_backward` reached .* engine 'c'"):
-        third(second(first(x))).sum().backward()  # outside a backward of the set: refused before accumulating
-    torch.testing.assert_close(third.bias.grad, expected["c"][-1], rtol=0, atol=0)
+    # the hooks that scaled each engine's gradients were for that backward only
+    assert not any(p._backward_hooks for m in (first, second, third) for p in m.parameters())
 
 
 @pytest.mark.parametrize("scales", [(None, None), (2.0**8, 2.0**8)], ids=["bf16", "fp16-one-scale"])

@@ -1,0 +1,121 @@
+"""What the default training step adds to DeepSpeed's and Lightning's: no collective, no read of a tensor's value.
+
+On 2 CPU ranks, the GAN pattern (D twice, then G through D) and distillation (a frozen ZeRO-3 teacher, a student
+stepped after 2 backwards) are fitted at ZeRO 0-3. From the second step on, every call of a ``torch.distributed``
+collective is put down to the first frame outside torch and DeepSpeed's ``comm`` that led to it, and every
+``.item()``, ``.tolist()`` and ``bool(tensor)`` to its caller; those in this package are the strategy's own
+(the function that made each is counted). With
+``find_unused_parameters=True`` the ranks agree after each backward, which the same count shows.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import lightning.pytorch as pl
+import torch
+
+import lightning_multids
+from lightning_multids import MultiDeepSpeedStrategy
+from tests.distributed.common import cpu_trainer
+from tests.distributed.harness import on_ranks
+from tests.distributed.test_frozen import FrozenModule
+from tests.distributed.test_patterns import PatternModule
+
+PACKAGE = str(Path(lightning_multids.__file__).parent)
+PASSED_THROUGH = (str(Path(torch.__file__).parent), str(Path(deepspeed.__file__).parent / "comm"))
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+    "all_to_all_single",
+)
+READS = ("item", "tolist", "__bool__")
+STEPS = 3
+
+
+def _own(frame: Any) -> str | None:
+    """The function of the first frame outside torch (and DeepSpeed's comm wrappers), where it is this package's."""
+    while frame is not None and frame.f_code.co_filename.startswith(PASSED_THROUGH):
+        frame = frame.f_back
+    return frame.f_code.co_name if frame is not None and frame.f_code.co_filename.startswith(PACKAGE) else None
+
+
+class Count(pl.Callback):
+    """Counts the strategy's own collectives and value reads in every training step after the first."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._undo: list[Callable[[], None]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if idx >= 1:
+            self._undo = [_counting(torch.distributed, name, self.counts) for name in COLLECTIVES]
+            self._undo += [_counting(torch.Tensor, name, self.counts) for name in READS]
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        for undo in self._undo:
+            undo()
+        self._undo = []
+
+
+def _counting(owner: Any, name: str, counts: Counter[str]) -> Callable[[], None]:
+    original = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        caller = _own(sys._getframe(1))
+        if caller is not None:
+            counts[f"{name} in {caller}"] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    return lambda: setattr(owner, name, original)
+
+
+def count_steps(stage: int, find_unused: bool) -> dict[str, dict[str, int]]:
+    """On each rank: the strategy's own collectives and reads over steps 2-3 of each pattern, by name."""
+    result = {}
+    for pattern in ("gan", "distill"):
+        counter = Count()
+        if pattern == "gan":
+            module: pl.LightningModule = PatternModule("gan", "adam", STEPS)
+            configs = None
+        else:
+            module = FrozenModule("distill", STEPS)
+            configs = {"frozen": {"zero_optimization": {"stage": 3}}}
+        strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=configs, find_unused_parameters=find_unused)
+        trainer = cpu_trainer(strategy, callbacks=[counter], enable_checkpointing=False, use_distributed_sampler=False)
+        trainer.fit(module)
+        result[pattern] = dict(counter.counts)
+    return result
+
+
+def test_the_default_step_runs_no_collective_and_reads_no_tensor_of_its_own() -> None:
+    """Except, at ZeRO-0 in fp32, the check that refuses a non-finite step (a plain torch optimizer checks nothing;
+    DeepSpeed's own optimizers make the same read at every other stage and precision): one read per step."""
+    for stage in range(4):
+        counts = on_ranks(count_steps, stage, False, timeout=240)
+        steps = {"gan": 2 * (STEPS - 1), "distill": STEPS - 1}  # G's and D's; the student's
+        expected = {p: {"__bool__ in _refuse_nonfinite": n} if stage == 0 else {} for p, n in steps.items()}
+        assert counts == [expected] * 2, f"ZeRO-{stage}: {counts}"
+
+
+def test_find_unused_parameters_agrees_after_each_backward() -> None:
+    """The count can see the strategy's own: the agreement is one all-reduce and one read per backward."""
+    counts = on_ranks(count_steps, 2, True, timeout=240)[0]
+    per_step = {"gan": 2, "distill": 2}  # D's backward and G's; two micro-batch backwards
+    for pattern, backwards in per_step.items():
+        agreed = backwards * (STEPS - 1)
+        assert counts[pattern] == {"all_reduce in agree": agreed, "tolist in agree": agreed}, counts
