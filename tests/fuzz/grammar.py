@@ -160,6 +160,9 @@ class Case:
     """``on_before_optimizer_step`` reads the ``full_gradients`` of the engine it steps."""
     steps: int = 2
     resume: Resume | None = None
+    find_unused: bool = False
+    """``MultiDeepSpeedStrategy(find_unused_parameters=True)``: drawn, and set where the case needs it (a backward that
+    reaches an engine on some ranks only, or a ZeRO-2/3 engine in part; :func:`reference.resolve`)."""
 
     def engine(self, name: str) -> Engine:
         return next(engine for engine in self.engines if engine.name == name)
@@ -205,6 +208,8 @@ class Switches:
     resume: bool = True
     touches: bool = True
     """Clipping before a step and weight edits after a phase (drawn last: a seed's case is otherwise the same)."""
+    find_unused: bool = True
+    """``find_unused_parameters=True`` where the case does not need it (drawn after everything else)."""
 
 
 FULL = Switches()
@@ -318,6 +323,8 @@ def draw_case(seed: int, rng: random.Random, switches: Switches) -> Case:
     case.resume = draw_resume(rng, case, switches)
     for phase in case.phases:
         draw_touches(rng, case, phase, switches)
+    # from a generator of its own: the main one draws what it drew before the option existed, seed for seed
+    case.find_unused = chance(random.Random(f"find_unused {seed}"), 0.3, switches.find_unused)
     return case
 
 

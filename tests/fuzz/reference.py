@@ -86,27 +86,42 @@ class ReferenceBackend:
         """The ranks on which each trained engine holds gradients (since its last step or zero_grad)."""
         self.wanted: list[tuple[Phase, list[str]]] = []
         """Per phase run, the optimizers its ``step`` policy asks for (see :func:`resolve`)."""
+        self.needs_find_unused = False
+        """Whether a backward reaches an engine on some ranks only, or a ZeRO-2/3 engine in part."""
+        self._now: dict[str, set[int]] = {}
         self._hooks = [
-            p.register_hook(lambda grad, name=name: self._arrived(name))
+            p.register_hook(lambda grad, name=name, index=index: self._arrived(name, index))
             for name in case.trained
-            for p in modules[name].parameters()
+            for index, p in enumerate(modules[name].parameters())
             if p.requires_grad  # a layer shared with a frozen engine is frozen (the strategy refuses the case)
         ]
 
-    def _arrived(self, name: str) -> None:
+    def _arrived(self, name: str, index: int) -> None:
         self.reached[name].add(self.rank)
         self.entered.add(self.rank)
+        self._now.setdefault(name, set()).add(index)
+
+    def _note_reach(self, per_rank: list[dict[str, set[int]]]) -> None:
+        """What one backward reached on each rank: does the strategy need ``find_unused_parameters=True``?"""
+        for name in self.case.trained:
+            reaching = [now[name] for now in per_rank if now.get(name)]
+            trained = {i for i, p in enumerate(self.modules[name].parameters()) if p.requires_grad}
+            partial = self.case.engine(name).stage >= 2 and any(trained - now for now in reaching)
+            self.needs_find_unused |= partial or 0 < len(reaching) < len(per_rank)
 
     def backward(self, loss_of: program.LossOf, plain: bool) -> None:
         self.entered = set()
+        per_rank = []
         for rank, batch in enumerate(self.shards):
-            self.rank = rank
+            self.rank, self._now = rank, {}
             loss = loss_of(batch)
             if loss.grad_fn is None:
                 raise InvalidCase(f"a loss needs no gradient on rank {rank}")
             (loss / len(self.shards)).backward()
             if rank not in self.entered:
                 raise InvalidCase(f"a backward reaches no trained engine on rank {rank}")
+            per_rank.append(self._now)
+        self._note_reach(per_rank)
         if not plain:
             self.reads += [Read("after_backward", n, gradients(self.modules[n])) for n in self.case.read_after_backward]
 
@@ -264,6 +279,7 @@ def resolve(case: Case) -> Case | None:
             runs = [wanted for p, wanted in backend.wanted if p is phase]
             common = [name for name in runs[0] if all(name in run for run in runs)] if runs else []
             chosen[id(phase)] = sorted(common, key=lambda name: (name != phase.owner, case.trained.index(name)))
+        case.find_unused |= backend.needs_find_unused  # what a user of such a loss sets, as under DDP
         if all(chosen[id(phase)] == phase.steps for phase in case.phases):
             return case if any(phase.steps for phase in case.phases) else None
         for phase in case.phases:

@@ -143,7 +143,7 @@ def make_strategy(case: Case, resumed: bool = False) -> MultiDeepSpeedStrategy:
     if case.ema is not None and not (change is not None and change.drop_ema):
         configs[case.ema.average] = {"zero_optimization": {"stage": case.ema.stage}}
         ema = {case.ema.average: (case.ema.source, case.ema.decay)}
-    return MultiDeepSpeedStrategy(engine_configs=configs, ema=ema)
+    return MultiDeepSpeedStrategy(engine_configs=configs, ema=ema, find_unused_parameters=case.find_unused)
 
 
 class SavesInside(pl.Callback):
