@@ -54,7 +54,8 @@ from lightning_multids._optimizer import EngineOptimizer
 from lightning_multids.strategy import MultiDeepSpeedStrategy
 
 STRATEGY = "strategy"
-GRADIENT_HOOK = "gradient hook (per parameter): entry, phases, fp16 factors"
+GRADIENT_HOOK = "gradient hook (per parameter; find_unused_parameters, reentrant checkpoints, fp16 factors)"
+OUTPUT_HOOK = "output check (forward hook per engine call; its tensor hook in the backward is not timed)"
 LIGHTNING = "the loop (A: Lightning's)"
 OUTSIDE = {
     "user": "the user's training_step",
@@ -104,6 +105,7 @@ def targets(case: str) -> list[tuple[Any, str, str, str]]:
     """(owner, attribute, label, kind) of every function timed: the strategy's, and what it calls out to."""
     return [
         (engines, "reached_engines", "discovery: graph walk (fp16 at different scales only)", STRATEGY),
+        (routing.Router, "_start", "reach query (start of each backward)", STRATEGY),
         (routing.Route, "enter", "backward prologue call", STRATEGY),
         (routing.Route, "finish", "backward epilogue calls", STRATEGY),
         (routing.Route, "leave", "backward exit marks", STRATEGY),
@@ -144,12 +146,15 @@ def instrumented(profile: HostProfile, case: str) -> Iterator[None]:
         originals.append((owner, name, owner.__dict__[name]))
         setattr(owner, name, profile.timed(label, kind, getattr(owner, name)))
     cast_inputs, gradient_hook = lifecycle.cast_inputs, routing.Router._gradient_hook
+    output_hook = routing.Router._output_hook
     lifecycle.cast_inputs = lambda dtype: profile.timed("input cast (forward pre-hook)", STRATEGY, cast_inputs(dtype))  # type: ignore[assignment]
     routing.Router._gradient_hook = lambda *args: profile.timed(GRADIENT_HOOK, STRATEGY, gradient_hook(*args))  # type: ignore[method-assign]
+    routing.Router._output_hook = lambda *args: profile.timed(OUTPUT_HOOK, STRATEGY, output_hook(*args))  # type: ignore[method-assign]
     try:
         yield
     finally:
         lifecycle.cast_inputs, routing.Router._gradient_hook = cast_inputs, gradient_hook  # type: ignore[method-assign]
+        routing.Router._output_hook = output_hook  # type: ignore[method-assign]
         for owner, name, original in reversed(originals):
             setattr(owner, name, original)
 
