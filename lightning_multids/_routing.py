@@ -19,13 +19,17 @@ per backward, and wrong for the patterns people write in GANs (DeepSpeed 0.19, m
 
 So the strategy takes explicit control instead. Submodules are called directly (never through
 ``engine.forward``), which registers no output hooks and no per-forward prologue. :meth:`Router.routed`
-runs ``loss.backward()`` once; each trainable engine whose parameters receive a gradient runs its prologue
-exactly once, when its first gradient arrives (a tensor hook on each parameter, :meth:`Router.watch`, which
-runs before ZeRO's own gradient hooks), and after the backward each entered engine runs its epilogue exactly
-once, in name order (the same collective order on every rank). The prologue runs no collective, so the order
-in which engines are entered does not matter. Nothing walks the graph before the backward, so the cost does
-not grow with its size; only a loss scale that depends on which engines the loss reaches (fp16 engines at
-different scales) needs the walk of :mod:`lightning_multids._discovery`, whose engines are then entered first.
+runs ``loss.backward()`` once. A hook on the loss, the first thing that backward runs, asks autograd which of
+the trainable parameters' gradient accumulators (held since setup, :meth:`Router.watch`) it will run: each
+engine with a reached parameter runs its prologue then, exactly once, before any of its gradients reaches
+ZeRO's own hooks; after the backward each entered engine runs its epilogue exactly once, in name order (the
+same collective order on every rank). The prologue runs no collective, so the order in which engines are
+entered does not matter. Nothing walks the graph and no Python runs per parameter; only a loss scale that
+depends on which engines the loss reaches (fp16 engines at different scales) needs the walk of
+:mod:`lightning_multids._discovery`, whose engines are then entered first. Per-parameter tensor hooks
+(:meth:`Router._gradient_hook`) see what the query cannot: the parameters inside a reentrant activation
+checkpoint, which join the graph in the checkpoint's nested backward; with ``find_unused_parameters=True``
+they record every arrival, for the ranks to compare after the backward (:func:`agree`).
 Marking each engine as "inside engine.backward" tells DeepSpeed's own post-backward callback to leave
 the epilogue to us, exactly as ``DeepSpeedEngine.backward`` does for itself.
 The DeepSpeed calls themselves (prologue, epilogue, the marks) are in :mod:`lightning_multids._compat.deepspeed`.
@@ -431,9 +435,11 @@ class _Closing(RemovableHandle):
 def _refuse_unrouted(name: str) -> None:
     """Raise if a backward outside ``manual_backward`` is about to accumulate a gradient of engine ``name``.
 
-    Called from the parameter's tensor hook. Such a backward (``loss.backward()``, ``torch.autograd.backward``) runs
-    no prologue or epilogue, and ZeRO's gradient hooks would reduce into state the next routed backward then trips
-    over; it is refused here, before the gradient reaches ``param.grad`` or ZeRO. ``torch.autograd.grad`` accumulates
+    Called from a parameter's tensor hook (``find_unused_parameters``), or by default from the tensor hook on each of
+    the engine's outputs, where the backward gives one of its parameters a gradient. Such a backward
+    (``loss.backward()``, ``torch.autograd.backward``) runs no prologue or epilogue, and ZeRO's gradient hooks would
+    reduce into state the next routed backward then trips over; it is refused here, before the gradient reaches
+    ``param.grad`` or ZeRO. ``torch.autograd.grad`` accumulates
     nothing and passes (:func:`~lightning_multids._compat.torch.accumulates_into`).
     """
     if accumulates_into():
