@@ -54,6 +54,7 @@ from lightning_multids._compat.torch import (
     ForwardCounter,
     accumulates_into,
     current_graph_task_id,
+    gradient_accumulator,
     queue_callback,
     will_execute,
 )
@@ -80,24 +81,27 @@ class _Phases:
 class Route:
     """One routed backward: every trainable engine by name, and the ones entered so far.
 
-    Engines are entered (prologue) when their first gradient arrives, or before the backward when a walk
-    of the graph found them; epilogues run after it in name order. Every rank runs the same code on the
+    Engines are entered (prologue) when the backward starts and asks autograd what it reaches (or, with
+    per-parameter hooks, when their first gradient arrives), or before the backward when a walk of the graph found
+    them; epilogues run after it in name order. Every rank runs the same code on the
     same graph, so every rank enters the same engines and runs their epilogues (collectives at ZeRO-2/3) in
     the same order.
     """
 
     engines: Mapping[str, DeepSpeedEngine]
     factors: Mapping[str, float] = field(default_factory=dict)
+    """Each engine's gradient factor (fp16 engines at different loss scales, :func:`precision.loss_scaling`)."""
     sizes: Mapping[str, int] = field(default_factory=dict)
     """Each engine's number of parameters (:meth:`Router.watch`), for :func:`agree`."""
-    """Each engine's gradient factor (fp16 engines at different loss scales, :func:`precision.loss_scaling`)."""
     entered: dict[str, _Phases] = field(default_factory=dict)
     agreeing: bool = False
-    hooked: bool = False
-    """Whether per-parameter hooks see this backward's gradients arrive (after a reentrant checkpoint's forward)."""
     """Whether the ranks agree on the reach after the backward (``find_unused_parameters=True``, :func:`agree`)."""
+    hooked: set[str] = field(default_factory=set)
+    """The engines whose parameters' hooks see this backward's gradients arrive (per-parameter reach and phases)."""
     unreached: dict[str, list[int]] = field(default_factory=dict)
     """Each entered engine's trained parameters (by index) that the backward does not reach, where there are some."""
+    handles: list[RemovableHandle] = field(default_factory=list)
+    """Hooks registered for this backward only, removed after it."""
     root_task: int = -1
     ran: bool = False
     """Whether the body ran a backward through the loss (a ``LightningModule.backward`` override may skip it)."""
@@ -136,7 +140,8 @@ class Route:
         ZeRO-2/3 engine buckets its gradients in arrival order, which only agreement can even out: refused.
         """
         if self.hooked:
-            self.unreached = {name: missing for name in self.entered if (missing := self._not_arrived(name))}
+            hooked = {name: missing for name in self.hooked & set(self.entered) if (missing := self._not_arrived(name))}
+            self.unreached = {**self.unreached, **hooked}
             self.refuse_unreached()
         for name in sorted(self.unreached):
             if self.engines[name].zero_optimization_stage() == 1:
@@ -144,7 +149,12 @@ class Route:
         return set()
 
     def refuse_unreached(self) -> None:
-        """Without agreement: refuse a ZeRO-2/3 engine that the loss reaches in part (see :meth:`_fill_unreached`)."""
+        """Without agreement: refuse a ZeRO-2/3 engine that the loss reaches in part (see :meth:`_fill_unreached`).
+
+        Not in one process, where there is no other rank to mix gradients with.
+        """
+        if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+            return
         for name in sorted(self.unreached):
             engine = self.engines[name]
             if engine.zero_optimization_partition_gradients():
@@ -204,6 +214,20 @@ class _Watched:
             self.nodes.append(ds_compat.gradient_accumulator(self.params[index]))
             self.indices.append(index)
             self.late.remove(index)
+
+    def hold_again_if_replaced(self) -> None:
+        """Hold the accumulators again where torch replaced them (a change of the parameters' dtype or device).
+
+        Checked on the first parameter that a whole accumulator stands for (not a ZeRO-3 partition's): one view.
+        """
+        if not self.nodes:
+            return
+        first = self.params[self.indices[0]]
+        if not first.requires_grad or first.shape != ds_compat.full_shape(first):  # toggled off; a ZeRO-3 partition
+            return
+        if gradient_accumulator(first) is self.nodes[0]:
+            return
+        self.nodes = [ds_compat.gradient_accumulator(self.params[index]) for index in self.indices]
 
     def unreached(self, executed: list[bool]) -> list[int]:
         """The parameters that require a gradient and that the backward does not reach (by index)."""
@@ -276,16 +300,32 @@ class Router:
         """
 
         def check(grad: torch.Tensor) -> None:
-            if self.current is None and self._accumulates(name):
-                _refuse_unrouted(name)
+            route = self.current
+            if route is None:
+                if self._accumulates(name):
+                    _refuse_unrouted(name)
+            elif name not in route.entered and name not in route.hooked and self._accumulates(name):
+                self._found_late(route, name)
 
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
                 for tensor in _tensors(output):
-                    if tensor.requires_grad:
+                    if tensor.grad_fn is not None:  # a leaf (a parameter returned) keeps its hooks: none on it
                         tensor.register_hook(check)
 
         return hook
+
+    def _found_late(self, route: Route, name: str) -> None:
+        """An engine the start of the backward did not see is reached after all: enter it and hook its parameters.
+
+        Its output's gradient arrives in a backward that the query could not answer for: the nested backward of a
+        reentrant checkpoint that is not torch's or DeepSpeed's, or a backward of another tensor than the loss
+        (a ``LightningModule.backward`` override). Its parameters' hooks then see their gradients arrive.
+        """
+        if route.engines.get(name) is None:
+            return
+        route.enter(name)
+        route.handles += self._hook(route, name)
 
     def _stop_counting(self) -> None:
         """After a watched engine's handle was removed (teardown): once none is left, stop counting and hooking."""
@@ -302,34 +342,36 @@ class Router:
         Returns the hooks added for this backward only (after a reentrant checkpoint's forward).
         """
         watched = {w.name: w for w in self._watched.values() if route.engines.get(w.name) is w.engine}
-        try:
-            for name in sorted(watched):
-                entry = watched[name]
-                entry.hold_late()
+        for name in sorted(watched):
+            entry = watched[name]
+            entry.hold_late()
+            entry.hold_again_if_replaced()
+            try:
                 executed = list(map(will_execute, entry.nodes))
-                if not any(executed):
-                    continue
-                if name not in route.entered:
-                    route.enter(name)
-                if not all(executed):
-                    unreached = entry.unreached(executed)
-                    if unreached:
-                        route.unreached[name] = unreached
-        except RuntimeError:  # under torch.autograd.grad: nothing is accumulated, nothing is reached
-            return []
+            except RuntimeError:  # under torch.autograd.grad: nothing is accumulated, nothing is reached
+                return []
+            if not any(executed):
+                continue
+            if name not in route.entered:
+                route.enter(name)
+            if not all(executed):
+                unreached = entry.unreached(executed)
+                if unreached:
+                    route.unreached[name] = unreached
         checkpointed = self._checkpoints is not None and self._checkpoints.count > 0
         if self.find_unused or not (checkpointed or route.factors):
             if not self.find_unused:
                 route.refuse_unreached()
             return []
         route.unreached.clear()  # the hooks see what the nested backwards reach: judged after the backward
-        route.hooked = True
-        return [
-            param.register_hook(self._hooks[name][index])
-            for name in sorted(watched)
-            for index, param in enumerate(watched[name].params)
-            if param.requires_grad
-        ]
+        return [hook for name in sorted(watched) for hook in self._hook(route, name)]
+
+    def _hook(self, route: Route, name: str) -> list[RemovableHandle]:
+        """Hook engine ``name``'s trainable parameters for ``route``'s backward only (see :meth:`_gradient_hook`)."""
+        route.hooked.add(name)
+        watched = next(w for w in self._watched.values() if w.name == name)
+        hooks = self._hooks[name]
+        return [param.register_hook(hooks[index]) for index, param in enumerate(watched.params) if param.requires_grad]
 
     def _gradient_hook(
         self, name: str, engine: DeepSpeedEngine, index: int
@@ -385,11 +427,10 @@ class Router:
         of this step (:func:`~lightning_multids._compat.deepspeed.abandon_backward`), and leaves the backward.
         """
         route = Route(engines, factors or {}, self.sizes, agreeing=self.find_unused)
-        hooks: list[RemovableHandle] = []
 
         def start(grad: torch.Tensor) -> torch.Tensor:
             route.root_task, route.ran = current_graph_task_id(), True
-            hooks.extend(self._start(route))
+            route.handles += self._start(route)
             return grad
 
         handle = loss.register_hook(start) if loss.requires_grad else None
@@ -405,7 +446,7 @@ class Router:
         finally:
             self.current = previous
             route.leave()
-            for hook in [*hooks, *([handle] if handle is not None else [])]:
+            for hook in [*route.handles, *([handle] if handle is not None else [])]:
                 hook.remove()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -343,3 +344,70 @@ def test_reached_engines_skips_an_engine_whose_gradients_are_off() -> None:
     gan.discriminator.requires_grad_(False)
     loss = gan.discriminator(gan.generator(torch.randn(2, 4))).sum()
     assert reached_engines(loss, owners_of(gan)).names == {"generator"}
+
+
+class OwnCheckpoint(torch.autograd.Function):
+    """A reentrant checkpoint of one's own (as fairscale or Megatron write it): recomputes in a nested backward."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor | None]:
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(x.requires_grad)
+        with torch.enable_grad():
+            y = ctx.fn(x)
+        torch.autograd.backward(y, grad)
+        return None, x.grad
+
+
+def test_an_engine_inside_a_reentrant_checkpoint_of_ones_own_is_entered_once() -> None:
+    """The start of the backward cannot see it; its output's hook, in the nested backward, enters and hooks it."""
+    graph = Graph(0)
+    a, b = graph.modules["a"], graph.modules["b"]
+    loss = OwnCheckpoint.apply(b, a(torch.randn(2, 4))).sum()
+    entered, calls = routed_backward(graph, loss, UNWALKED)
+    assert entered == {"a", "b"}
+    assert sorted(calls) == [("epilogue", "a"), ("epilogue", "b"), ("prologue", "a"), ("prologue", "b")]
+
+
+@pytest.mark.parametrize("change", ["double", "data_round_trip"])
+def test_an_engine_whose_parameters_changed_dtype_is_still_entered(change: str) -> None:
+    """torch makes a parameter a new gradient accumulator when its dtype or device changes (DeepSpeed's offloading
+    moves ``p.data`` to the CPU and back): the router holds the new one."""
+    graph = Graph(0)
+    module = graph.modules["a"]
+    if change == "double":
+        module.double()
+    else:
+        for param in module.parameters():
+            kept = param.data
+            param.data = kept.double()
+            param.data = kept
+    dtype = next(module.parameters()).dtype
+    entered, calls = routed_backward(graph, module(torch.randn(2, 4, dtype=dtype)).sum(), UNWALKED)
+    assert entered == {"a"} and calls == [("prologue", "a"), ("epilogue", "a")]
+
+
+def test_the_output_check_leaves_no_hook_on_a_parameter_returned_by_a_forward() -> None:
+    class Prior(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mu = nn.Parameter(torch.zeros(3))
+
+        def forward(self) -> torch.Tensor:
+            return self.mu
+
+    prior = Prior()
+    router = Router()
+    handles = router.watch("prior", FakeEngine("prior", prior, []))  # type: ignore[arg-type]
+    for _ in range(3):
+        prior()
+    assert not prior.mu._backward_hooks
+    for handle in handles:
+        handle.remove()
