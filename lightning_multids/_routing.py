@@ -122,7 +122,9 @@ class Route:
         inside a reentrant checkpoint), the epilogue runs without its reduction: ZeRO-2 cannot reduce an
         empty bucket.
         """
-        uneven = agree(self) if self.agreeing else self._fill_unreached()
+        uneven = agree(self) if self.agreeing else set()
+        if not self.agreeing:
+            self._fill_unreached()
         for name in sorted(self.entered):
             engine, phases = self.engines[name], self.entered[name]
             if name in uneven:
@@ -132,7 +134,7 @@ class Route:
             stage2_done = nothing_left and engine.zero_optimization_stage() == 2 and not ds_compat.in_no_sync(engine)
             ds_compat.end_backward(engine, reduce=not stage2_done)
 
-    def _fill_unreached(self) -> set[str]:
+    def _fill_unreached(self) -> None:
         """Without agreement: give the unreached trained parameters of an entered ZeRO-0/1 engine zero gradients.
 
         Every rank then reduces every parameter (ZeRO-0's reduction fills them itself; ZeRO-1's would skip them), so
@@ -146,14 +148,13 @@ class Route:
         for name in sorted(self.unreached):
             if self.engines[name].zero_optimization_stage() == 1:
                 ds_compat.fill_missing_gradients(self.engines[name])
-        return set()
 
     def refuse_unreached(self) -> None:
         """Without agreement: refuse a ZeRO-2/3 engine that the loss reaches in part (see :meth:`_fill_unreached`).
 
         Not in one process, where there is no other rank to mix gradients with.
         """
-        if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        if not _several_ranks():
             return
         for name in sorted(self.unreached):
             engine = self.engines[name]
@@ -280,15 +281,15 @@ class Router:
             handles.append(engine.module.register_forward_hook(self._output_hook(name)))
         return handles
 
+    def _watching(self, name: str) -> _Watched:
+        return next(watched for watched in self._watched.values() if watched.name == name)
+
     def _accumulates(self, name: str) -> bool:
         """Inside a backward: whether it gives a parameter of engine ``name`` a gradient (not under autograd.grad)."""
-        for watched in self._watched.values():
-            if watched.name == name:
-                try:
-                    return any(map(will_execute, watched.nodes))
-                except RuntimeError:  # "... we are currently running autograd.grad()": nothing is accumulated
-                    return False
-        return False
+        try:
+            return any(map(will_execute, self._watching(name).nodes))
+        except RuntimeError:  # "... we are currently running autograd.grad()": nothing is accumulated
+            return False
 
     def _output_hook(self, name: str) -> Callable[..., None]:
         """A forward hook of engine ``name``'s module: a backward outside a route through its output is refused.
@@ -342,6 +343,9 @@ class Router:
         Returns the hooks added for this backward only (after a reentrant checkpoint's forward).
         """
         watched = {w.name: w for w in self._watched.values() if route.engines.get(w.name) is w.engine}
+        checkpointed = self._checkpoints is not None and self._checkpoints.count > 0
+        hooked = not self.find_unused and (checkpointed or bool(route.factors))
+        judged = not (self.find_unused or hooked)  # else hooks see the reach, judged after the backward
         for name in sorted(watched):
             entry = watched[name]
             entry.hold_late()
@@ -354,24 +358,22 @@ class Router:
                 continue
             if name not in route.entered:
                 route.enter(name)
-            if not all(executed):
+            if judged and not all(executed):
                 unreached = entry.unreached(executed)
                 if unreached:
                     route.unreached[name] = unreached
-        checkpointed = self._checkpoints is not None and self._checkpoints.count > 0
-        if self.find_unused or not (checkpointed or route.factors):
-            if not self.find_unused:
-                route.refuse_unreached()
+        if judged:
+            route.refuse_unreached()
+        if not hooked:
             return []
-        route.unreached.clear()  # the hooks see what the nested backwards reach: judged after the backward
         return [hook for name in sorted(watched) for hook in self._hook(route, name)]
 
     def _hook(self, route: Route, name: str) -> list[RemovableHandle]:
         """Hook engine ``name``'s trainable parameters for ``route``'s backward only (see :meth:`_gradient_hook`)."""
         route.hooked.add(name)
-        watched = next(w for w in self._watched.values() if w.name == name)
         hooks = self._hooks[name]
-        return [param.register_hook(hooks[index]) for index, param in enumerate(watched.params) if param.requires_grad]
+        params = self._watching(name).params
+        return [param.register_hook(hooks[index]) for index, param in enumerate(params) if param.requires_grad]
 
     def _gradient_hook(
         self, name: str, engine: DeepSpeedEngine, index: int
@@ -536,7 +538,7 @@ def agree(route: Route) -> set[str]:
         RuntimeError: on every rank, for a ZeRO-2/3 engine whose reach differs and that already reduced
             gradients during the backward, which cannot be evened out.
     """
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1 or not route.engines:
+    if not _several_ranks() or not route.engines:
         return set()
     names = sorted(route.engines)
     local: list[int] = []
@@ -593,6 +595,10 @@ def refuse_uneven_zero3(reach: Reach, zero3: list[str], device: torch.device) ->
                 f"term that does not apply on a rank can be kept with weight zero: `loss + 0.0 * term`), or use "
                 f"ZeRO-0/1/2 for {name!r}, where the strategy evens the gradients out after the backward."
             )
+
+
+def _several_ranks() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def _refuse_unreached(name: str, engine: DeepSpeedEngine, unreached: list[int]) -> None:
