@@ -12,11 +12,12 @@
   ``FusedAdam`` (a CUDA op); it has nothing to move for a frozen engine and refuses engines that offload their
   parameters (``offload_param``). Those are refused, naming the engine.
 
-Each engine's record (:class:`~lightning_multids._engines.EngineRecord`) lists the blocks it is inside now.
+Each engine's record (:class:`~lightning_multids._record.EngineRecord`) lists the blocks it is inside now.
 :func:`inside` is the one place that enters and leaves a block: it refuses a block of a kind the engine is in
-already (``gathered`` and ``offloaded`` count as one kind: each takes the weights out of training), and
-:func:`refuse_step` is what an engine's optimizer calls before it steps. Misuse raises :class:`BlockError`; an
-engine name that does not exist is a ``ValueError``, as for every other argument.
+already (``gathered`` and ``offloaded`` count as one kind: each takes the weights out of training); the engine's
+optimizer reads the same list (:meth:`~lightning_multids._record.EngineRecord.refuse_step`) before it steps.
+Misuse raises :class:`BlockError`; an engine name that does not exist is a ``ValueError``, as for every other
+argument.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import deepspeed
 import torch
@@ -38,21 +39,14 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._gradients import from_own_code
+from lightning_multids._record import NO_SYNC, BlockError, EngineRecord
 
-if TYPE_CHECKING:
-    from lightning_multids._engines import EngineRecord
-
-NO_SYNC = "strategy.no_sync(...)"
 _EXCLUDES = {
     "strategy.no_sync": {"strategy.no_sync"},
     "strategy.gathered": {"strategy.gathered", "strategy.offloaded"},
     "strategy.offloaded": {"strategy.gathered", "strategy.offloaded"},
 }
 """For each kind of block, the kinds an engine must not be inside already when it enters one."""
-
-
-class BlockError(RuntimeError):
-    """A block used where it cannot work: nested in a block of its kind, or an engine stepped inside one."""
 
 
 def _kind(block: str) -> str:
@@ -81,21 +75,6 @@ def inside(what: str, block: str, records: Sequence[EngineRecord]) -> Iterator[N
     finally:
         for record in records:
             record.blocks.remove(block)
-
-
-def refuse_step(name: str, blocks: Sequence[str]) -> None:
-    """Raise :class:`BlockError` if engine ``name`` is inside a block (``blocks``), where it cannot step."""
-    if not blocks:
-        return
-    if NO_SYNC in blocks:
-        raise BlockError(
-            f"`opt.step()` of engine {name!r} inside `{NO_SYNC}`: its gradients are not reduced until the block ends. "
-            "Call `opt.step()` after the `with` block."
-        )
-    raise BlockError(
-        f"`opt.step()` of engine {name!r} inside `{blocks[-1]}`, where the engine cannot step (its states are off the "
-        "device, or its weights whole outside ZeRO-3). Call `opt.step()` after the block."
-    )
 
 
 # ---- no_sync ---------------------------------------------------------------------------------------------
@@ -226,7 +205,7 @@ def gathered(
             try:
                 yield engine.module
                 if modifier_rank is not None:
-                    keep_edits(engine.module, modifier_rank, trained=record.optimizer is not None)
+                    keep_edits(engine.module, modifier_rank, trained=record.trainable)
             finally:
                 if restore is not None:
                     restore()
@@ -300,7 +279,7 @@ def offloaded(names: tuple[str, ...], records: Mapping[str, EngineRecord]) -> It
 
 
 def _choose(names: tuple[str, ...], records: Mapping[str, EngineRecord]) -> list[EngineRecord]:
-    trainable = sorted(name for name, record in records.items() if record.optimizer is not None)
+    trainable = sorted(name for name, record in records.items() if record.trainable)
     refuse_outside_run(f"offloaded({', '.join(map(repr, names))})", trainable)
     if not names:
         raise ValueError(f"`offloaded()` needs the names of the engines to offload, e.g. {trainable}.")

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_multids._blocks import NO_SYNC, refuse_outside_run, refuse_partitioned_weights
+from lightning_multids._blocks import refuse_outside_run, refuse_partitioned_weights
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat import torch as torch_compat
 from lightning_multids._config import merge
@@ -28,29 +28,8 @@ from lightning_multids._ema import Averager
 from lightning_multids._gradients import clipped, full_gradients, refuse_gradient_read
 from lightning_multids._optimizer import EngineOptimizer
 from lightning_multids._precision import engine_dtype, loss_scaling
+from lightning_multids._record import NO_SYNC, EngineRecord, Phase
 from lightning_multids._routing import Router, refuse_uneven_zero3
-
-
-@dataclass
-class EngineRecord:
-    """One engine of a fit: everything the strategy keeps about it, in one place."""
-
-    name: str
-    """The submodule's attribute name."""
-    engine: DeepSpeedEngine
-    optimizer: EngineOptimizer | None = None
-    """The optimizer Lightning sees for it; None for a frozen or EMA engine."""
-    handles: list[RemovableHandle] = field(default_factory=list)
-    """The hooks registered for it at setup, removed at teardown."""
-    blocks: list[str] = field(default_factory=list)
-    """The blocks it is inside now, outermost first (:mod:`lightning_multids._blocks`); its optimizer reads the same
-    list to refuse a step inside one."""
-    guard: torch_compat.ParameterGuard | None = None
-    """Refuses user code's accesses to its parameters' ``grad`` and ``data`` where they are not DDP's (during fit)."""
-    untrained: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)
-    """A trainable engine's parameters that had ``requires_grad=False`` when it was built (by name), where its
-    optimizer holds no partition or fp32 copy of them, so they can never train: at ZeRO-1/2/3, and at ZeRO-0 in
-    bf16 or fp16 (DeepSpeed's 16-bit optimizers keep fp32 copies of the trained parameters only)."""
 
 
 @dataclass
@@ -59,6 +38,8 @@ class EngineSet:
 
     records: dict[str, EngineRecord] = field(default_factory=dict)
     """Every engine by name, in the order they were built (trainable ones in optimizer order)."""
+    optimizer_of: dict[str, EngineOptimizer] = field(default_factory=dict)
+    """Each trainable engine's optimizer for Lightning, by the engine's name."""
     scheduler_configs: list[LRSchedulerConfig] = field(default_factory=list)
     owners: dict[int, str] = field(default_factory=dict)
     """``id(parameter) -> engine name`` for the parameters of every trainable engine."""
@@ -78,7 +59,12 @@ class EngineSet:
     @property
     def optimizers(self) -> list[EngineOptimizer]:
         """The trainable engines' optimizers, in the order Lightning sees them."""
-        return [record.optimizer for record in self.records.values() if record.optimizer is not None]
+        return [self.optimizer_of[record.name] for record in self.trainable]
+
+    @property
+    def trainable(self) -> list[EngineRecord]:
+        """The trainable engines' records, in optimizer order."""
+        return [record for record in self.records.values() if record.trainable]
 
     def add(self, name: str, engine: DeepSpeedEngine, handles: list[RemovableHandle]) -> None:
         """Record an engine and the hooks registered for it; a frozen (inference) engine needs nothing more."""
@@ -95,7 +81,8 @@ class EngineSet:
         """Record a trainable engine, its optimizer for Lightning, and the parameters a backward can reach."""
         self.add(name, engine, handles)
         record = self.records[name]
-        record.optimizer = EngineOptimizer(name, engine, optimizer, params, blocks=record.blocks)
+        record.trainable = True
+        self.optimizer_of[name] = EngineOptimizer(record, optimizer, params)
         if engine.zero_optimization_stage() or engine_dtype(engine) != torch.float32:
             record.untrained = [(key, p) for key, p in engine.module.named_parameters() if not p.requires_grad]
         self.owners.update({id(p): name for p in engine.module.parameters()})
@@ -117,14 +104,13 @@ class EngineSet:
     @property
     def trainable_engines(self) -> dict[str, DeepSpeedEngine]:
         """The trainable engines by name, in optimizer order."""
-        return {name: r.engine for name, r in self.records.items() if r.optimizer is not None}
+        return {record.name: record.engine for record in self.trainable}
 
     def _release_frozen_leftovers(self) -> None:
         """After a backward, ended or failed: release what it gathered of frozen ZeRO-3 engines and left gathered."""
-        trained = {optimizer.name for optimizer in self.optimizers}
-        for name, engine in self.engines.items():
-            if name not in trained and engine.zero_optimization_stage() == 3:
-                ds_compat.release_after_backward(engine)
+        for record in self.records.values():
+            if not record.trainable and record.engine.zero_optimization_stage() == 3:
+                ds_compat.release_after_backward(record.engine)
 
     def clear_gradients(self) -> None:
         """Clear every trainable engine's gradients, as ``opt.zero_grad()`` on each would."""
@@ -138,7 +124,7 @@ class EngineSet:
         if name not in trainable:
             raise ValueError(
                 f"`full_gradients({name!r})`: there is no trainable engine {name!r} now. Trainable engines exist "
-                f"during fit: {sorted(o.name for o in self.optimizers)}."
+                f"during fit: {sorted(trainable)}."
             )
         engine = trainable[name]
         if NO_SYNC in self.records[name].blocks and engine.zero_optimization_partition_gradients():
@@ -148,9 +134,8 @@ class EngineSet:
                 f"engine {name!r} keeps the block's gradients on each rank, unreduced, until the block ends. Read "
                 "them after the `with` block."
             )
-        optimizer = next(o for o in self.optimizers if o.name == name)
-        grads = full_gradients(engine, name, optimizer.has_gradients)
-        max_norm = optimizer.pending_clip
+        grads = full_gradients(engine, name, self.records[name].has_gradients)
+        max_norm = self.optimizer_of[name].pending_clip
         return grads if max_norm is None or not grads else clipped(grads, max_norm)
 
     def guard_parameters(self) -> Callable[[], None]:
@@ -165,8 +150,6 @@ class EngineSet:
 
         def undo() -> None:
             for record in self.records.values():
-                if record.optimizer is not None:
-                    record.optimizer.guard = None
                 if record.guard is not None:
                     record.guard.close()
                 record.guard = None
@@ -183,15 +166,15 @@ class EngineSet:
     def _guard(record: EngineRecord) -> None:
         checks: dict[str, torch_compat.Check] = {}
         stage = record.engine.zero_optimization_stage()
-        if record.optimizer is not None:
+        if record.trainable:
             checks["grad"] = refuse_gradient_read(record.name, stage)
         if stage == 3:
             checks["data"] = refuse_partitioned_weights(record.name)
         if not checks:
             return
         record.guard = torch_compat.ParameterGuard(list(record.engine.module.parameters()), checks)
-        if record.optimizer is not None:
-            record.optimizer.guard = record.guard
+        if record.has_gradients:
+            record.guard.enable("grad")
         if stage == 3:
             record.guard.enable("data")
 
@@ -208,7 +191,7 @@ class EngineSet:
 
     def frozen_names(self) -> set[str]:
         """The names of the frozen (optimizer-less) engines."""
-        return set(self.engines) - {optimizer.name for optimizer in self.optimizers}
+        return {name for name, record in self.records.items() if not record.trainable}
 
     @contextmanager
     def backward(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -221,10 +204,15 @@ class EngineSet:
         override that skips a batch) leaves the engines without gradients, so the next step changes nothing, as
         under DDP.
         """
-        with ExitStack() as unguarded:  # DeepSpeed's accesses to the parameters in the backward: at no cost
-            for record in self.records.values():
+        trainable = self.trainable
+        for record in trainable:
+            record.refuse_backward()
+        with ExitStack() as stack:
+            for record in trainable:
+                stack.enter_context(record.in_phase(Phase.BACKWARD))
+            for record in self.records.values():  # DeepSpeed's accesses to the parameters in it: at no cost
                 if record.guard is not None:
-                    unguarded.enter_context(record.guard.suspended())
+                    stack.enter_context(record.guard.suspended())
             with self._routed(loss) as scaled:
                 yield scaled
 
@@ -281,9 +269,8 @@ class EngineSet:
         ) from error
 
     def _mark_gradients(self, names: Collection[str], present: bool) -> None:
-        for optimizer in self.optimizers:
-            if optimizer.name in names:
-                optimizer.has_gradients = present
+        for name in names:
+            self.records[name].has_gradients = present
 
     def _refuse_unfrozen(self) -> None:
         """Refuse a backward once a parameter frozen when its ZeRO-1/2/3 engine was built requires a gradient."""
@@ -301,7 +288,7 @@ class EngineSet:
                     )
 
     def _refuse_untrained(self) -> None:
-        trainable = ", ".join(repr(o.name) for o in self.optimizers)
+        trainable = ", ".join(repr(record.name) for record in self.trainable)
         raise ValueError(
             f"`manual_backward` got a loss that reaches no trainable engine ({trainable}): it would train "
             "nothing. Compute the loss from the outputs of those submodules without `.detach()` or "
@@ -317,7 +304,7 @@ class EngineSet:
         Refuses names that are not trainable engines, and a call outside fit.
         """
         what = "no_sync"
-        trainable = [optimizer.name for optimizer in self.optimizers]
+        trainable = [record.name for record in self.trainable]
         refuse_outside_run(what, trainable)
         unknown = [name for name in names if name not in trainable]
         if unknown:
@@ -342,7 +329,7 @@ class EngineSet:
         if loss.requires_grad:
             raise ValueError(
                 f"`training_step` returned a loss but called no `self.manual_backward`, so nothing trained. With "
-                f"{len(self.optimizers)} trainable engines ({', '.join(repr(o.name) for o in self.optimizers)}) the "
+                f"{len(self.trainable)} trainable engines ({', '.join(repr(r.name) for r in self.trainable)}) the "
                 "LightningModule runs "
                 "manual optimization: in `training_step`, call `self.manual_backward(loss)` and then `opt.step()` "
                 "and `opt.zero_grad()` for each optimizer from `self.optimizers()`."

@@ -6,18 +6,16 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from deepspeed import DeepSpeedEngine
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_multids._blocks import refuse_step
 from lightning_multids._compat import deepspeed as ds_compat
-from lightning_multids._compat.torch import ParameterGuard, init_step_hooks, step_hooks_or_profiler, step_post_hooks
+from lightning_multids._compat.torch import init_step_hooks, step_hooks_or_profiler, step_post_hooks
 from lightning_multids._nonfinite import NonFiniteGradients, skip_nonfinite_steps
+from lightning_multids._record import EngineRecord, Phase
 
 
 class _GroupView(MutableMapping):
@@ -53,20 +51,6 @@ class _GroupView(MutableMapping):
         return len(self._group)
 
 
-@dataclass
-class _StepState:
-    """What an :class:`EngineOptimizer` tracks between steps, in one object shared with its Lightning wrapper.
-
-    ``self.optimizers()`` returns a ``LightningOptimizer`` that forwards attribute reads to this optimizer
-    but keeps attribute writes for itself, so ``opt.zero_grad()`` through it would set a flag that the
-    strategy never reads. Methods mutate this object instead, which both see.
-    """
-
-    has_gradients: bool = False
-    configured_clipping: float | None = None
-    """The engine's own clipping, while ``clip_next_step`` overrides it for one step."""
-
-
 class EngineOptimizer(Optimizer):
     """Steps and clears one DeepSpeed engine; what ``self.optimizers()`` returns under the strategy.
 
@@ -78,56 +62,47 @@ class EngineOptimizer(Optimizer):
     * step hooks (``opt.register_step_pre_hook``/``_post_hook``, torch's global ones) run around ``step()``,
       as around any torch optimizer's.
 
+    Its state between steps (whether it holds gradients, a clipping pending for its next step, the blocks it is
+    inside, its phase) is its engine's record's: ``self.optimizers()`` returns a ``LightningOptimizer`` that forwards
+    attribute reads to this optimizer but keeps attribute writes for itself, so the methods write the record, which
+    both see.
+
     Args:
-        name: the engine's name (the submodule's attribute name).
-        engine: the DeepSpeed engine.
+        record: the engine's record (its name, its engine, and the state above).
         optimizer: the optimizer from ``configure_optimizers`` the engine was built with.
         params: that optimizer's parameters per group, recorded before DeepSpeed replaced them.
-        blocks: the blocks the engine is inside now (its record's list, :mod:`lightning_multids._blocks`), where
-            ``step()`` refuses to run.
     """
 
     def __init__(
         self,
-        name: str,
-        engine: DeepSpeedEngine,
+        record: EngineRecord,
         optimizer: Optimizer,
         params: Sequence[list[torch.nn.Parameter]],
-        blocks: list[str] | None = None,
     ) -> None:
         # Optimizer.__init__ is not called: the parameters and state live in the engine's optimizer. What torch's
         # step hooks need is set here; `step` runs them through torch's hook runner (`_stepped_with_hooks`).
-        self.name = name
-        self.engine = engine
+        self.record = record
+        self.name = record.name
+        self.engine = record.engine
         self.optimizer = optimizer
         self._params = list(params)
         self.defaults = optimizer.defaults
         init_step_hooks(self)
-        self._state = _StepState()
-        self.blocks: list[str] = [] if blocks is None else blocks
-        """The blocks the engine is inside now (read, never replaced: the engine's record holds the same list)."""
         self.manual = True
         """Whether the module runs manual optimization (set by the strategy)."""
         self.after_step: Callable[[str], None] | None = None
         """Called with the engine's name after each applied step (the EMA engines that follow it)."""
-        self._handle = skip_nonfinite_steps(engine)
-        self.guard: ParameterGuard | None = None
-        """Refuses user code's accesses to ``param.grad`` between backward and step (set by the strategy)."""
+        self._handle = skip_nonfinite_steps(self.engine)
 
     @property
     def has_gradients(self) -> bool:
-        """Whether a backward reached the engine since its last step or ``zero_grad``."""
-        return self._state.has_gradients
-
-    @has_gradients.setter
-    def has_gradients(self, value: bool) -> None:
-        self._state.has_gradients = value
-        if self.guard is not None:  # reads of `param.grad` are refused from user code while it holds gradients
-            (self.guard.enable if value else self.guard.disable)("grad")
+        """Whether a backward reached the engine since its last step or ``zero_grad`` (its record's)."""
+        return self.record.has_gradients
 
     def unguarded(self) -> AbstractContextManager[None]:
         """No check of its parameters' ``grad`` and ``data`` in the body (DeepSpeed's own accesses: at no cost)."""
-        return nullcontext() if self.guard is None else self.guard.suspended()
+        guard = self.record.guard
+        return nullcontext() if guard is None else guard.suspended()
 
     @property
     def param_groups(self) -> list[MutableMapping]:  # type: ignore[override]
@@ -216,12 +191,12 @@ class EngineOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        refuse_step(self.name, self.blocks)
+        self.record.refuse_step()
         if not self.has_gradients:
             self._refuse_empty_step()
             return loss  # automatic optimization: training_step returned None, Lightning skips the step
         step, skipped = self.engine.global_steps + 1, self.engine.skipped_steps
-        with self.unguarded():  # DeepSpeed's accesses to the parameters, and the EMA's after the step
+        with self.record.in_phase(Phase.STEP), self.unguarded():  # DeepSpeed's accesses, and the EMA's after it
             applied = self._step_engine(skipped, kwargs)
             if applied and self.after_step is not None:
                 self.after_step(self.name)
@@ -288,14 +263,14 @@ class EngineOptimizer(Optimizer):
         DeepSpeed clips inside ``step()``, after the gradients are reduced across ranks, which is where
         ``self.clip_gradients(opt, gradient_clip_val=...)`` before ``opt.step()`` means to clip.
         """
-        if self._state.configured_clipping is None:
-            self._state.configured_clipping = float(self.engine.gradient_clipping())
+        if self.record.configured_clipping is None:
+            self.record.configured_clipping = float(self.engine.gradient_clipping())
         ds_compat.set_gradient_clipping(self.engine, max_norm)
 
     @property
     def pending_clip(self) -> float | None:
         """The global norm a :meth:`clip_next_step` since the last clear will clip to in ``step()``; else None."""
-        return None if self._state.configured_clipping is None else float(self.engine.gradient_clipping())
+        return None if self.record.configured_clipping is None else float(self.engine.gradient_clipping())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this engine's gradients, local and already reduced, and forget a pending :meth:`clip_next_step`.
@@ -309,18 +284,19 @@ class EngineOptimizer(Optimizer):
 
     def _forget_gradients(self) -> None:
         """After the gradients were cleared: none until the next backward, and no pending :meth:`clip_next_step`."""
-        self.has_gradients = False
-        if self._state.configured_clipping is not None:  # clipping was for the gradients just cleared
-            ds_compat.set_gradient_clipping(self.engine, self._state.configured_clipping)
-            self._state.configured_clipping = None
+        record = self.record
+        record.has_gradients = False
+        if record.configured_clipping is not None:  # clipping was for the gradients just cleared
+            ds_compat.set_gradient_clipping(self.engine, record.configured_clipping)
+            record.configured_clipping = None
 
     def release(self) -> None:
         """Remove the hook this optimizer put on the user's optimizer; the engine is gone after it (teardown)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        self._state.configured_clipping = None
-        self._state.has_gradients = False
+        self.record.configured_clipping = None
+        self.record.has_gradients = False
         self.engine = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:

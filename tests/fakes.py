@@ -13,7 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from lightning_multids._engines import EngineRecord, EngineSet
+from lightning_multids._engines import EngineSet
+from lightning_multids._record import EngineRecord
 
 
 class FakeEngine:
@@ -48,8 +49,8 @@ class FakeEngine:
 
 
 def fake_optimizer(name: str, **attributes: Any) -> SimpleNamespace:
-    """What the engine set reads of an engine's optimizer for Lightning: its name, whether it holds gradients."""
-    return SimpleNamespace(name=name, has_gradients=False, **attributes)
+    """What the engine set reads of an engine's optimizer for Lightning: its name."""
+    return SimpleNamespace(name=name, **attributes)
 
 
 def engine_set(
@@ -69,8 +70,9 @@ def engine_set(
         name = optimizer.name
         if name not in records:
             records[name] = EngineRecord(name, getattr(optimizer, "engine", None) or FakeEngine(name, nn.Module(), []))
-        records[name].optimizer = optimizer
-    result = EngineSet(records=records, owners=dict(owners or {}))
+        records[name].trainable = True
+    optimizer_of = {optimizer.name: optimizer for optimizer in optimizers}
+    result = EngineSet(records=records, optimizer_of=optimizer_of, owners=dict(owners or {}))
     if watched:
         for name, record in records.items():
             result.router.watch(name, record.engine)

@@ -219,3 +219,41 @@ def test_the_public_names_are_in_all_and_documented() -> None:
         assert exported, f"{name} lists no public names in __all__"
         for public in exported:
             assert getattr(getattr(module, public), "__doc__", None), f"{name}.{public} has no docstring"
+
+
+def _package_imports(path: Path) -> set[str]:
+    """The package's modules ``path`` imports, wherever the import stands (in a function, under TYPE_CHECKING)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(PACKAGE.name):
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names}
+            named = {name for name in submodules if _source(name).exists() or _source(name).with_suffix("").is_dir()}
+            found |= named or {node.module}  # `from package import _module`: the module, not the package
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith(PACKAGE.name)}
+    return found
+
+
+def _source(module: str) -> Path:
+    return (PACKAGE.parent / module.replace(".", "/")).with_suffix(".py")
+
+
+def test_no_module_of_the_package_imports_itself_through_others() -> None:
+    """Each module's state has one owner: no two modules import each other, directly or through a circle."""
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        graph[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = _package_imports(path)
+
+    def circle(start: str, module: str, seen: tuple[str, ...]) -> tuple[str, ...] | None:
+        for imported in sorted(graph.get(module, ())):
+            if imported == start:
+                return (*seen, imported)
+            if imported not in seen and imported != PACKAGE.name:
+                found = circle(start, imported, (*seen, imported))
+                if found:
+                    return found
+        return None
+
+    circles = [found for start in graph if (found := circle(start, start, (start,)))]
+    assert not circles, f"modules that import each other: {circles[0]}"

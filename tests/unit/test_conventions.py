@@ -22,6 +22,7 @@ from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.deepspeed import UnsupportedDeepSpeed
 from lightning_multids._optimizer import EngineOptimizer
+from lightning_multids._record import EngineRecord
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,8 +78,9 @@ def _fake_engine_optimizer(calls: list[str]) -> EngineOptimizer:
         step=lambda: calls.append("engine.step"),
         zero_grad=lambda: None,
     )
-    optimizer = EngineOptimizer("generator", engine, torch.optim.SGD(module.parameters()), [list(module.parameters())])  # type: ignore[arg-type]
-    optimizer.has_gradients = True
+    record = EngineRecord("generator", engine, trainable=True)  # type: ignore[arg-type]
+    optimizer = EngineOptimizer(record, torch.optim.SGD(module.parameters()), [list(module.parameters())])
+    record.has_gradients = True
     return optimizer
 
 
@@ -112,7 +114,7 @@ def test_a_step_without_hooks_or_profiler_skips_torchs_hook_runner(monkeypatch: 
     assert calls == ["engine.step"] and regions == []
 
     handle = optimizer.register_step_post_hook(lambda *_: calls.append("post"))
-    optimizer.has_gradients = True
+    optimizer.record.has_gradients = True
     optimizer.step()
     handle.remove()
     assert calls == ["engine.step", "engine.step", "post"] and regions == ["Optimizer.step#EngineOptimizer.step"]

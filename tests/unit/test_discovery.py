@@ -250,7 +250,7 @@ def test_a_hidden_graph_that_reaches_no_engine_is_refused_after_its_backward() -
     with engine_set.backward(loss) as scaled:
         scaled.backward()
     assert calls == [("prologue", "b"), ("epilogue", "b")] and engine_set.backward_calls == 1
-    assert [o.has_gradients for o in engine_set.optimizers] == [False, True, False, False]
+    assert [record.has_gradients for record in engine_set.trainable] == [False, True, False, False]
 
 
 class GAN(nn.Module):

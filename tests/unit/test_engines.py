@@ -1,10 +1,13 @@
-"""EngineSet: a loss that reaches no trainable engine, and a returned loss that no backward used."""
+"""EngineSet: a loss that reaches no trainable engine, a returned loss that no backward used, each engine's phase."""
 
 import pytest
 import torch
+from torch import nn
 
-from tests.fakes import engine_set, fake_optimizer
-from tests.unit.test_discovery import GAN, owners_of
+from lightning_multids._optimizer import EngineOptimizer
+from lightning_multids._record import Phase, PhaseError
+from tests.fakes import FakeEngine, engine_set, fake_optimizer, routed_engine_set
+from tests.unit.test_discovery import GAN, owners_of, sgd
 
 
 def test_loss_reaching_no_trainable_engine_is_refused() -> None:
@@ -28,7 +31,7 @@ def test_a_body_that_runs_no_backward_is_not_refused_and_leaves_no_gradients() -
     engines = engine_set({}, optimizers, owners_of(gan))
     with engines.backward(gan.generator(torch.randn(2, 4)).sum()):
         pass
-    assert not any(optimizer.has_gradients for optimizer in optimizers)
+    assert not any(record.has_gradients for record in engines.records.values())
 
 
 def test_returned_loss_without_manual_backward_is_refused_only_where_nothing_can_train() -> None:
@@ -43,3 +46,31 @@ def test_returned_loss_without_manual_backward_is_refused_only_where_nothing_can
     engines.check_loss_was_used(loss.detach())  # a logged value is fine
     engines.backward_calls = 1
     engines.check_loss_was_used(loss)  # the module does call manual_backward: a step without it is its choice
+
+
+def test_a_step_during_the_backward_and_a_backward_during_the_step_are_refused_and_leave_the_phase() -> None:
+    """An optimizer stepped in backward (from a gradient hook), and a backward from a step hook: each engine's phase."""
+    calls: list[tuple[str, str]] = []
+    generator = nn.Linear(3, 3)
+    engines = routed_engine_set({"generator": FakeEngine("generator", generator, calls)})
+    record = engines.records["generator"]
+    optimizer = EngineOptimizer(record, sgd(*generator.parameters()), [list(generator.parameters())])
+    handle = generator.weight.register_post_accumulate_grad_hook(lambda _: optimizer.step())
+    loss = generator(torch.randn(2, 3)).sum()
+    with (
+        pytest.raises(PhaseError, match=r"`opt.step\(\)` of engine 'generator' during a `self.manual_backward.*after"),
+        engines.backward(loss) as scaled,
+    ):
+        scaled.backward()
+    handle.remove()
+    assert record.phase is Phase.IDLE and not record.has_gradients
+
+    with engines.backward(generator(torch.randn(2, 3)).sum()) as scaled:
+        scaled.backward()
+    assert record.phase is Phase.IDLE and record.has_gradients
+    with (
+        record.in_phase(Phase.STEP),
+        pytest.raises(PhaseError, match=r"`self.manual_backward\(...\)` during `opt.step\(\)` of engine 'generator'"),
+    ):
+        engines.backward(generator(torch.randn(2, 3)).sum()).__enter__()
+    assert record.phase is Phase.IDLE and record.has_gradients

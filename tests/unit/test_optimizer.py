@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_multids._optimizer import EngineScheduler, _GroupView
+from lightning_multids._record import EngineRecord
 from tests.unit.test_discovery import sgd
 
 
@@ -37,7 +38,8 @@ def test_clipping_by_value_in_manual_optimization_is_refused() -> None:
 
     module = nn.Linear(2, 2)
     engine = SimpleNamespace(module=module, fp16_enabled=lambda: False, optimizer=None)
-    optimizer = EngineOptimizer("critic", engine, sgd(*module.parameters()), [list(module.parameters())])  # type: ignore[arg-type]
+    record = EngineRecord("critic", engine, trainable=True)  # type: ignore[arg-type]
+    optimizer = EngineOptimizer(record, sgd(*module.parameters()), [list(module.parameters())])
     with pytest.raises(ValueError, match=r"engine 'critic' by value is not available.*gradient_clip_algorithm='norm'"):
         EnginePrecision().clip_gradients(optimizer, 0.5, "value")  # type: ignore[arg-type]
 
@@ -56,6 +58,6 @@ def test_repr_names_the_engine_and_shows_the_optimizer_as_torch_does() -> None:
     module = nn.Linear(2, 2)
     engine = SimpleNamespace(module=module, fp16_enabled=lambda: False, optimizer=None)
     inner = torch.optim.Adam(module.parameters(), lr=0.01)
-    optimizer = EngineOptimizer("critic", engine, inner, [list(module.parameters())])  # type: ignore[arg-type]
+    optimizer = EngineOptimizer(EngineRecord("critic", engine), inner, [list(module.parameters())])  # type: ignore[arg-type]
     assert repr(optimizer) == f"EngineOptimizer(engine='critic') over {inner!r}"
     assert "Adam (\nParameter Group 0\n" in repr(optimizer) and "lr: 0.01\n" in repr(optimizer)

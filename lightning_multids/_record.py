@@ -1,0 +1,125 @@
+"""One engine's state during a fit, in one record: the one place routing, the blocks and the optimizer read and write.
+
+Each engine of a fit has one :class:`EngineRecord` (built at setup by :mod:`lightning_multids._lifecycle`, kept in
+:class:`~lightning_multids._engines.EngineSet`). It says whether the engine trains, what it is doing now
+(:class:`Phase`), whether it holds gradients, and which blocks it is inside. The modules that change that state
+write it here and read it here; none of them asks another:
+
+* a routed backward (:meth:`EngineSet.backward <lightning_multids._engines.EngineSet.backward>`) puts the trainable
+  engines in :attr:`Phase.BACKWARD` while it runs, and marks the engines it reached as holding gradients;
+* the optimizer (:class:`~lightning_multids._optimizer.EngineOptimizer`) puts its engine in :attr:`Phase.STEP` while
+  it steps, and clears the mark; it calls :meth:`EngineRecord.refuse_step` first;
+* the blocks (:mod:`lightning_multids._blocks`) add themselves to and remove themselves from ``blocks``.
+
+This module imports nothing of the package but ``_compat``, so each of those can import it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from deepspeed import DeepSpeedEngine
+from torch.utils.hooks import RemovableHandle
+
+from lightning_multids._compat.torch import ParameterGuard
+
+NO_SYNC = "strategy.no_sync(...)"
+"""The block in which a trainable engine keeps its gradients local (:func:`lightning_multids._blocks.no_sync`)."""
+
+
+class BlockError(RuntimeError):
+    """A block used where it cannot work: nested in a block of its kind, or an engine stepped inside one."""
+
+
+class PhaseError(RuntimeError):
+    """An engine asked to step during a backward that runs through it, or to run a backward during its step."""
+
+
+class Phase(enum.Enum):
+    """What an engine is doing now (as FSDP2's ``TrainingState``)."""
+
+    IDLE = "idle"
+    """Between steps: no backward through it and no step of it runs (it may hold gradients)."""
+    BACKWARD = "backward"
+    """A routed backward (``self.manual_backward``) is running; it may reach the engine."""
+    STEP = "step"
+    """Its optimizer is stepping it (``opt.step()``: ``engine.step()``, then the EMA engines that follow it)."""
+
+
+@dataclass(eq=False)
+class EngineRecord:
+    """One engine of a fit: everything the strategy keeps about it, in one place."""
+
+    name: str
+    """The submodule's attribute name."""
+    engine: DeepSpeedEngine
+    trainable: bool = False
+    """Whether it has an optimizer (it was built from ``configure_optimizers``); frozen and EMA engines have none."""
+    phase: Phase = Phase.IDLE
+    blocks: list[str] = field(default_factory=list)
+    """The blocks it is inside now, outermost first (:mod:`lightning_multids._blocks`)."""
+    handles: list[RemovableHandle] = field(default_factory=list)
+    """The hooks registered for it at setup, removed at teardown."""
+    guard: ParameterGuard | None = None
+    """Refuses user code's accesses to its parameters' ``grad`` and ``data`` where they are not DDP's (during fit)."""
+    untrained: list[tuple[str, torch.nn.Parameter]] = field(default_factory=list)
+    """A trainable engine's parameters that had ``requires_grad=False`` when it was built (by name), where its
+    optimizer holds no partition or fp32 copy of them, so they can never train: at ZeRO-1/2/3, and at ZeRO-0 in
+    bf16 or fp16 (DeepSpeed's 16-bit optimizers keep fp32 copies of the trained parameters only)."""
+    configured_clipping: float | None = None
+    """The engine's own clipping, while a ``clip_gradients`` call overrides it for its next step."""
+    _has_gradients: bool = False
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether a backward reached the engine since its last step or ``zero_grad``."""
+        return self._has_gradients
+
+    @has_gradients.setter
+    def has_gradients(self, value: bool) -> None:
+        self._has_gradients = value
+        if self.guard is not None:  # reads of `param.grad` are refused from user code while it holds gradients
+            (self.guard.enable if value else self.guard.disable)("grad")
+
+    @contextmanager
+    def in_phase(self, phase: Phase) -> Iterator[None]:
+        """The engine in ``phase`` for the body, and in the phase it was in before after it, whatever happens."""
+        before, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = before
+
+    def refuse_step(self) -> None:
+        """Raise if the engine cannot step now: inside a block (:class:`BlockError`), or in a backward."""
+        if self.phase is Phase.BACKWARD:
+            raise PhaseError(
+                f"`opt.step()` of engine {self.name!r} during a `self.manual_backward(...)` that runs through it (from "
+                "a hook of a tensor or parameter, as an optimizer stepped in backward is): DeepSpeed reduces the "
+                "engine's gradients when the backward ends, so they are not whole yet. Call `opt.step()` after "
+                "`self.manual_backward(loss)` returns."
+            )
+        if not self.blocks:
+            return
+        if NO_SYNC in self.blocks:
+            raise BlockError(
+                f"`opt.step()` of engine {self.name!r} inside `{NO_SYNC}`: its gradients are not reduced until the "
+                "block ends. Call `opt.step()` after the `with` block."
+            )
+        raise BlockError(
+            f"`opt.step()` of engine {self.name!r} inside `{self.blocks[-1]}`, where the engine cannot step (its "
+            "states are off the device, or its weights whole outside ZeRO-3). Call `opt.step()` after the block."
+        )
+
+    def refuse_backward(self) -> None:
+        """Raise :class:`PhaseError` if the engine is stepping (a backward from its optimizer's step hook)."""
+        if self.phase is Phase.STEP:
+            raise PhaseError(
+                f"`self.manual_backward(...)` during `opt.step()` of engine {self.name!r} (from a step hook, or after "
+                "the step's closure returned): the engine is applying its gradients and clearing them. Run the "
+                "backward before `opt.step()`, or inside the closure passed to it."
+            )
