@@ -298,6 +298,9 @@ class EngineOptimizer(Optimizer):
         self.record.configured_clipping = None
         self.record.has_gradients = False
         self.engine = None  # type: ignore[assignment]
+        # The engine set keeps the record (and the engine) for `trainer.save_checkpoint` after fit; the optimizer,
+        # which the module's `self.optimizers()` may keep longer, holds a record of its own without the engine.
+        self.record = EngineRecord(self.name, None, trainable=True)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         """The engine's name, then the optimizer it steps as torch shows it (its class and each group's settings)."""
