@@ -255,7 +255,10 @@ class EngineSet:
 
         A gradient penalty (``torch.autograd.grad(..., create_graph=True)``) records a second backward that uses
         the weights themselves; ZeRO-3 gathers weights only around its submodules' own forward and backward, so
-        when that second backward runs they are partitioned (empty) and torch fails on their shape.
+        when that second backward runs they are partitioned (empty) and torch fails on their shape. The penalty's
+        own backward is refused where it reaches a ZeRO-3 engine's output (``_lifecycle._refuse_second_order``), a
+        check of state; this reading of torch's message is left only for what that check cannot see: a child of
+        the engine's module called on its own.
         """
         zero3 = sorted(name for name, engine in self.engines.items() if engine.zero_optimization_stage() == 3)
         if not zero3 or not isinstance(error, RuntimeError) or not _RELEASED_WEIGHT.search(str(error)):

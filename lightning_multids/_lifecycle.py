@@ -41,7 +41,7 @@ from lightning_multids._ema import Average, build_averager, check_averages
 from lightning_multids._engines import EngineSet
 from lightning_multids._planning import Plan, check_batch_settings, config_scheduler, plan_engines
 from lightning_multids._precision import autocast_off, cast_inputs, engine_dtype
-from lightning_multids._routing import Router
+from lightning_multids._routing import Router, output_tensors
 
 
 def build_engines(
@@ -228,7 +228,38 @@ def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
             for module in engine.module.modules()
             if any(True for _ in module.parameters(recurse=False))
         ]
+        handles.append(engine.module.register_forward_hook(_refuse_second_order(name)))
     return handles
+
+
+def _refuse_second_order(name: str) -> Callable[..., None]:
+    """A forward hook of ZeRO-3 engine ``name``'s module: a backward that records a graph through it is refused.
+
+    ``torch.autograd.grad(..., create_graph=True)`` (a gradient penalty) records, for a second backward, operations
+    that use the engine's weights; ZeRO-3 gathers them only around the engine's own forward and backward and
+    partitions them (empties them) right after, so the second backward would meet empty weights. The check is the
+    state of the backward that reaches the output, with grad mode on (``create_graph``) or off: one tensor hook per
+    call with a gradient. (A child of the engine's module called on its own is not seen here.)
+    """
+
+    def check(grad: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            raise ValueError(
+                f"A backward with `create_graph=True` (a gradient penalty, `torch.autograd.grad(..., "
+                f"create_graph=True)`) runs through engine {name!r} (ZeRO-3): the graph it records for the second "
+                f"backward uses the weights of {name!r}, which ZeRO-3 partitions again (empties) as soon as this "
+                f"backward leaves the engine, so that second backward would fail or be wrong. Give {name!r}, and "
+                f"every engine the penalty runs through, ZeRO-0/1/2: `engine_configs={{{name!r}: "
+                '{"zero_optimization": {"stage": 2}}}`.'
+            )
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for tensor in output_tensors(output):
+                if tensor.grad_fn is not None:
+                    tensor.register_hook(check)
+
+    return hook
 
 
 def _refuse_partitioned_load(name: str) -> Callable[..., None]:

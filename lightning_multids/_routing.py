@@ -310,7 +310,7 @@ class Router:
 
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
             if torch.is_grad_enabled():
-                for tensor in _tensors(output):
+                for tensor in output_tensors(output):
                     if tensor.grad_fn is not None:  # a leaf (a parameter returned) keeps its hooks: none on it
                         tensor.register_hook(check)
 
@@ -452,16 +452,16 @@ class Router:
                 hook.remove()
 
 
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
+def output_tensors(output: Any) -> Iterator[torch.Tensor]:
     """The tensors of a module's output: a tensor, or inside tuples, lists and dicts (a ``ModelOutput``)."""
     if isinstance(output, torch.Tensor):
         yield output
     elif isinstance(output, tuple | list):
         for item in output:
-            yield from _tensors(item)
+            yield from output_tensors(item)
     elif isinstance(output, Mapping):
         for item in output.values():
-            yield from _tensors(item)
+            yield from output_tensors(item)
 
 
 class _Closing(RemovableHandle):

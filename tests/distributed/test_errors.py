@@ -156,6 +156,14 @@ def penalty_only(module: GAN, batch: torch.Tensor) -> None:
     module.manual_backward((grad.pow(2).sum(1) - 1).pow(2).mean())
 
 
+def penalty_through_frozen(module: GAN, batch: torch.Tensor) -> torch.Tensor:
+    """The generator trained on the gradient of a frozen discriminator at its samples (a penalty through D)."""
+    _, z = patterns.split(batch)
+    fake = module.generator(z)
+    (grad,) = torch.autograd.grad(module.discriminator(fake).sum(), fake, create_graph=True)
+    return grad.pow(2).mean() + fake.mean()
+
+
 def reaches_on_rank_zero_only(module: GAN, batch: torch.Tensor) -> None:
     """Both engines called on every rank; D's term added on rank 0 only (a data-dependent term)."""
     real, z = patterns.split(batch)
@@ -344,8 +352,11 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     **{f"plain_backward_zero{stage}": (lambda: GAN(plain_backward), {"stage": stage}) for stage in range(4)},
     "autograd_backward": (lambda: GAN(autograd_backward), {"stage": 3}),
     "autograd_grad_allowed": (lambda: GAN(gradients_by_autograd_grad), {"stage": 2}),
-    # the penalty alone leaves D's last bias without a gradient: refused as partial reach without the option
-    "penalty_through_zero3": (lambda: GAN(penalty_only), {"stage": 3, "find_unused_parameters": True}),
+    "penalty_through_zero3": (lambda: GAN(penalty_only), {"stage": 3}),
+    "penalty_through_frozen_zero3": (
+        lambda: GAN(penalty_through_frozen, "generator"),
+        {"engine_configs": {"discriminator": {"zero_optimization": {"stage": 3}}}},
+    ),
     "uneven_reach_zero3": (
         lambda: GAN(reaches_on_rank_zero_only),
         {
@@ -494,8 +505,12 @@ EXPECTED = {
     "autograd_grad_allowed": r"^no error$",
     "uneven_reach_zero3": r"The loss reaches the ZeRO-3 engine 'discriminator' on some ranks and not on others.*"
     r"`loss \+ 0.0 \* term`.*ZeRO-0/1/2 for 'discriminator'",
-    "penalty_through_zero3": r"partitioned ZeRO-3 weight.*gradient penalty.*ZeRO-3 engine \(discriminator, generator\)"
-    r".*Give the engines the penalty runs through ZeRO-0/1/2",
+    **{
+        f"penalty_through_{kind}zero3": r"^A backward with `create_graph=True` \(a gradient penalty.*runs "
+        r"through engine 'discriminator' \(ZeRO-3\).*Give 'discriminator', and every engine the penalty runs through, "
+        r"ZeRO-0/1/2"
+        for kind in ("", "frozen_")
+    },
     **{  # at ZeRO-3 the block's exception path then clears whole local gradients (ZeRO-3's zero_grad failed on them)
         f"full_gradients_in_no_sync_zero{stage}": rf"`full_gradients\('discriminator'\)` inside `strategy.no_sync"
         rf"\(...\)`: the ZeRO-{stage} engine .*Read them after the `with` block"
