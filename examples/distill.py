@@ -111,6 +111,11 @@ class Distillation(Classified):
         weight_decay: float = 1e-4,
     ) -> None:
         super().__init__()
+        if not Path(teacher_checkpoint).exists():  # checked here, before the command starts its ranks
+            raise FileNotFoundError(
+                f"The teacher checkpoint {teacher_checkpoint!r} does not exist. Train the teacher first: "
+                "`lightning-multids fit --config configs/distill_teacher.yaml` writes it."
+            )
         self.save_hyperparameters()
         self.teacher = MLP(teacher_hidden)
         self.student = MLP(student_hidden)
@@ -118,13 +123,7 @@ class Distillation(Classified):
 
     def setup(self, stage: str) -> None:
         """Load the teacher's trained weights, on every rank, before the strategy builds its engine."""
-        path = Path(self.hparams.teacher_checkpoint)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"The teacher checkpoint {str(path)!r} does not exist. Train the teacher first: "
-                "`lightning-multids fit --config configs/distill_teacher.yaml` writes it."
-            )
-        self.teacher.load_state_dict(consolidated_state_dicts(path)["net"])
+        self.teacher.load_state_dict(consolidated_state_dicts(Path(self.hparams.teacher_checkpoint))["net"])
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         super().validation_step(batch, batch_idx)

@@ -20,7 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from examples.lm_distill import STUDENT_FIRST, checkpoint_weights, continuations, log_text, with_lora
+from examples.lm_distill import (
+    STUDENT_FIRST,
+    checkpoint_weights,
+    continuations,
+    log_text,
+    require_checkpoint,
+    with_lora,
+)
 from examples.text import blocks, corpus, gpt2
 
 
@@ -82,6 +89,7 @@ class DPO(pl.LightningModule):
         generate: int = 48,
     ) -> None:
         super().__init__()
+        require_checkpoint(student_checkpoint, STUDENT_FIRST)
         self.save_hyperparameters()
         self.policy: torch.nn.Module = gpt2(layers, width, heads)
         self.reference = gpt2(layers, width, heads)

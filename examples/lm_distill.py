@@ -107,10 +107,18 @@ TEACHER_FIRST = "Train the teacher first: `lightning-multids fit --config config
 STUDENT_FIRST = "Distill the student first: `lightning-multids fit --config configs/lm_distill.yaml` writes it."
 
 
+def require_checkpoint(path: str | None, remedy: str) -> None:
+    """Raise ``FileNotFoundError`` saying ``remedy`` if there is no checkpoint at ``path`` (None: none is asked for).
+
+    Called when the module is built, so that the command stops before its ranks start.
+    """
+    if path is not None and not Path(path).exists():
+        raise FileNotFoundError(f"The checkpoint {path!r} does not exist. {remedy}")
+
+
 def checkpoint_weights(path: str, engine: str, remedy: str) -> dict[str, torch.Tensor]:
     """The whole weights of ``engine`` in the checkpoint at ``path``; if there is none, an error saying ``remedy``."""
-    if not Path(path).exists():
-        raise FileNotFoundError(f"The checkpoint {path!r} does not exist. {remedy}")
+    require_checkpoint(path, remedy)
     weights = consolidated_state_dicts(Path(path))
     if engine not in weights:
         raise KeyError(f"The checkpoint {path!r} has no engine {engine!r}; it has {sorted(weights)}.")
@@ -177,6 +185,8 @@ class LMDistillation(pl.LightningModule):
         lora_rank: int = 0,
     ) -> None:
         super().__init__()
+        require_checkpoint(teacher_checkpoint, TEACHER_FIRST)
+        require_checkpoint(student_checkpoint, STUDENT_FIRST)
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.teacher = gpt2(teacher_layers, width, heads)

@@ -8,7 +8,9 @@ selectable under ``trainer.strategy`` by class path (with ``init_args``) or by i
 
 ``--ckpt_path last`` finds the newest ``last.ckpt`` of the logger's earlier versions (each run logs into a
 new ``version_N`` folder, so Lightning alone would look only in the new, empty one). An error stops every
-rank, but only rank 0 prints its traceback; the others have logged it in one line.
+rank; each has logged it in one line, and rank 0 ends with where it came from, and with its traceback only for
+an error a traceback helps to find (a bug, not a setting, a path or the data), or with
+``LIGHTNING_MULTIDS_TRACEBACK=1``.
 
 ``lightning-multids export CKPT OUT [--dtype bf16] [--format hf [--merge-lora] | lightning] [--unsafe-load]`` writes
 one plain ``state_dict`` per engine, a ``save_pretrained`` folder per engine holding a Hugging Face model, or one
@@ -23,6 +25,8 @@ import os
 import pickle
 import re
 import sys
+import sysconfig
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_multids  # noqa: F401  (registers the strategy name `multi_deepspeed`)
@@ -244,10 +249,56 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.path.insert(0, os.getcwd())
     try:
         MultiDeepSpeedCLI(None if argv is None else args)  # None: LightningCLI reads sys.argv itself
-    except Exception:
-        if rank_zero_only.rank == 0:  # type: ignore[attr-defined]
+    except Exception as error:
+        if rank_zero_only.rank != 0:  # type: ignore[attr-defined]
+            sys.exit(1)  # the strategy logged this rank's error in one line (`on_exception`); rank 0 shows it
+        cause = _root_cause(error)  # LightningCLI wraps an error of the module's `__init__` in its own
+        if os.environ.get(TRACEBACK) == "1" or not _misuse(cause):
             raise
-        sys.exit(1)  # the strategy logged this rank's error in one line (`on_exception`); rank 0 shows a traceback
+        where = f"{_where(cause)}; {TRACEBACK}=1 shows the traceback"
+        if getattr(cause, "lightning_multids_logged", False):  # the strategy's line above says what it was
+            sys.exit(f"lightning-multids: stopped by the error above ({where})")
+        sys.exit(f"lightning-multids: {type(cause).__name__}: {cause}\n  ({where})")
+
+
+TRACEBACK = "LIGHTNING_MULTIDS_TRACEBACK"
+"""Set to 1, the command shows the traceback of every error, not only of those it takes for a bug."""
+
+_MISUSE = (ValueError, TypeError, OSError, FloatingPointError, MisconfigurationException)
+"""What a setting, a path or the data causes: shown as the message and where it was raised, not as a traceback."""
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def _misuse(error: BaseException) -> bool:
+    """Whether ``error`` is one a user causes (and its message says what to do), or one a traceback helps to find.
+
+    The strategy's own errors name the engine, the setting and the fix, whatever their type; elsewhere the
+    types of :data:`_MISUSE`.
+    """
+    frames = traceback.extract_tb(error.__traceback__)
+    raised_here = bool(frames) and Path(frames[-1].filename).is_relative_to(Path(__file__).parent)
+    return raised_here or isinstance(error, _MISUSE)
+
+
+def _where(error: BaseException) -> str:
+    """The line of the user's code (outside installed packages) the error came through, else where it was raised."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "raised at an unknown place"
+    installed = [Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "stdlib")]
+    own = [f for f in frames if not any(Path(f.filename).resolve().is_relative_to(root) for root in installed)]
+    frame = (own or frames)[-1]
+    return f"in {_shown(frame.filename)}:{frame.lineno}, {frame.name}"
+
+
+def _shown(filename: str) -> str:
+    path = Path(filename).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -718,6 +719,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             f"[rank {self.global_rank}] MultiDeepSpeedStrategy: {type(exception).__name__}: {exception}"
             + (f" -- {reason}" if reason else "")
         )
+        with contextlib.suppress(AttributeError):  # the command then shows no second copy of the message
+            exception.lightning_multids_logged = True  # type: ignore[attr-defined]
         super().on_exception(exception)
 
     @classmethod

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_multids._environment import keep_extensions_in_environment
 from lightning_multids.cli import main, newest_last_checkpoint
@@ -150,3 +151,38 @@ def test_lightning_export_is_weights_only_and_warns_of_frozen_engines_not_saved(
     saved = torch.load(written)
     assert set(saved) == {"epoch", "global_step", "pytorch-lightning_version", "loops", "state_dict"}
     assert saved["state_dict"].keys() == {"student.weight", "head.bias"}
+
+
+def test_a_missing_input_file_stops_the_command_before_its_ranks_with_the_message_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(REPO)
+    for set_by_the_command in ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.setenv(set_by_the_command, "")  # so that monkeypatch puts back what was there before
+        monkeypatch.delenv(set_by_the_command)
+    command = ["fit", "--config", "configs/distill.yaml", "--model.init_args.teacher_checkpoint=nowhere.ckpt"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(command)
+    shown = str(exit_info.value.code)
+    assert shown.startswith("lightning-multids: FileNotFoundError: The teacher checkpoint 'nowhere.ckpt' does not ")
+    assert "configs/distill_teacher.yaml` writes it.\n  (in examples/distill.py:" in shown
+    assert shown.endswith(", __init__; LIGHTNING_MULTIDS_TRACEBACK=1 shows the traceback)")
+    assert not torch.distributed.is_initialized()  # no rank started
+    monkeypatch.setenv("LIGHTNING_MULTIDS_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="Does not validate") as raised:  # LightningCLI's, around the module's
+        main(command)
+    assert isinstance(raised.value.__cause__, FileNotFoundError)
+
+
+def test_an_error_a_traceback_helps_to_find_keeps_it() -> None:
+    from lightning_multids.cli import _misuse
+
+    def fails(error: Exception) -> Exception:
+        try:
+            raise error
+        except Exception as raised:
+            return raised
+
+    assert _misuse(fails(ValueError("a setting"))) and _misuse(fails(FileNotFoundError("a path")))
+    assert not _misuse(fails(RuntimeError("a shape mismatch in the user's step")))
+    assert not _misuse(fails(KeyError("a bug")))
