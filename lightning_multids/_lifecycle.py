@@ -238,11 +238,13 @@ def _refuse_second_order(name: str) -> Callable[..., None]:
     ``torch.autograd.grad(..., create_graph=True)`` (a gradient penalty) records, for a second backward, operations
     that use the engine's weights; ZeRO-3 gathers them only around the engine's own forward and backward and
     partitions them (empties them) right after, so the second backward would meet empty weights. The check is the
-    state of the backward that reaches the output, with grad mode on (``create_graph``) or off: one tensor hook per
-    call with a gradient. (A child of the engine's module called on its own is not seen here.)
+    state of a backward that enters the engine's graph (a pre-hook of its output's node, which runs only where the
+    gradient goes on into the engine, not where the output is itself the ``inputs`` of ``autograd.grad``), with
+    grad mode on (``create_graph``) or off: one hook per call with a gradient. (A child of the engine's module
+    called on its own is not seen here.)
     """
 
-    def check(grad: torch.Tensor) -> None:
+    def check(grads: tuple[torch.Tensor | None, ...]) -> None:
         if torch.is_grad_enabled():
             raise ValueError(
                 f"A backward with `create_graph=True` (a gradient penalty, `torch.autograd.grad(..., "
@@ -256,8 +258,8 @@ def _refuse_second_order(name: str) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
             for tensor in output_tensors(output):
-                if tensor.grad_fn is not None:
-                    tensor.register_hook(check)
+                if tensor.grad_fn is not None:  # outputs of one node hook it twice: the first check decides
+                    tensor.grad_fn.register_prehook(check)
 
     return hook
 

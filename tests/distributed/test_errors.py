@@ -357,6 +357,11 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         lambda: GAN(penalty_through_frozen, "generator"),
         {"engine_configs": {"discriminator": {"zero_optimization": {"stage": 3}}}},
     ),
+    # the same penalty with the generator at ZeRO-3 and D at 2: its second backward is first-order through G
+    "penalty_at_the_output_of_zero3": (
+        lambda: GAN(penalty_through_frozen, "generator"),
+        {"stage": 3, "engine_configs": {"discriminator": {"zero_optimization": {"stage": 2}}}},
+    ),
     "uneven_reach_zero3": (
         lambda: GAN(reaches_on_rank_zero_only),
         {
@@ -511,6 +516,7 @@ EXPECTED = {
         r"ZeRO-0/1/2"
         for kind in ("", "frozen_")
     },
+    "penalty_at_the_output_of_zero3": r"^no error$",
     **{  # at ZeRO-3 the block's exception path then clears whole local gradients (ZeRO-3's zero_grad failed on them)
         f"full_gradients_in_no_sync_zero{stage}": rf"`full_gradients\('discriminator'\)` inside `strategy.no_sync"
         rf"\(...\)`: the ZeRO-{stage} engine .*Read them after the `with` block"
