@@ -47,7 +47,8 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
     """A routed backward (``self.manual_backward``) is running; it may reach the engine."""
     STEP = "step"
-    """Its optimizer is stepping it (``opt.step()``: ``engine.step()``, then the EMA engines that follow it)."""
+    """Its optimizer is stepping it: ``engine.step()``, then the EMA engines that follow it (not the step hooks of
+    ``self.optimizers()``, which run around that, nor the closure of ``opt.step(closure)``, which runs before it)."""
 
 
 @dataclass(eq=False)
@@ -98,10 +99,10 @@ class EngineRecord:
         """Raise if the engine cannot step now: inside a block (:class:`BlockError`), or in a backward."""
         if self.phase is Phase.BACKWARD:
             raise PhaseError(
-                f"`opt.step()` of engine {self.name!r} during a `self.manual_backward(...)` that runs through it (from "
-                "a hook of a tensor or parameter, as an optimizer stepped in backward is): DeepSpeed reduces the "
-                "engine's gradients when the backward ends, so they are not whole yet. Call `opt.step()` after "
-                "`self.manual_backward(loss)` returns."
+                f"`opt.step()` of engine {self.name!r} during a `self.manual_backward(...)` (from a hook that runs in "
+                "the backward, as an optimizer stepped in backward is): the strategy steps an engine only between "
+                "backwards, once DeepSpeed has reduced the gradients of the engines the backward reaches, which it "
+                "does when the backward ends. Call `opt.step()` after `self.manual_backward(loss)` returns."
             )
         if not self.blocks:
             return
@@ -116,10 +117,11 @@ class EngineRecord:
         )
 
     def refuse_backward(self) -> None:
-        """Raise :class:`PhaseError` if the engine is stepping (a backward from its optimizer's step hook)."""
+        """Raise :class:`PhaseError` if the engine is stepping (a backward from code its step runs)."""
         if self.phase is Phase.STEP:
             raise PhaseError(
-                f"`self.manual_backward(...)` during `opt.step()` of engine {self.name!r} (from a step hook, or after "
-                "the step's closure returned): the engine is applying its gradients and clearing them. Run the "
-                "backward before `opt.step()`, or inside the closure passed to it."
+                f"`self.manual_backward(...)` during `opt.step()` of engine {self.name!r} (from code its step runs: a "
+                "step hook of the torch optimizer DeepSpeed steps, or a callback after the step): the engine is "
+                "applying its gradients and clearing them. Run the backward before `opt.step()`, or inside the "
+                "closure passed to it."
             )

@@ -252,48 +252,85 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as error:
         if rank_zero_only.rank != 0:  # type: ignore[attr-defined]
             sys.exit(1)  # the strategy logged this rank's error in one line (`on_exception`); rank 0 shows it
-        cause = _root_cause(error)  # LightningCLI wraps an error of the module's `__init__` in its own
-        if os.environ.get(TRACEBACK) == "1" or not _misuse(cause):
+        shown = _shown_error(error)  # LightningCLI wraps an error of the module's `__init__` in its own
+        if getattr(shown, "lightning_multids_peer_failed", False):  # a collective failed: another rank stopped
+            sys.exit("lightning-multids: stopped because another rank failed; its line above says why")
+        if os.environ.get(TRACEBACK) == "1" or not _misuse(shown):
             raise
-        where = f"{_where(cause)}; {TRACEBACK}=1 shows the traceback"
-        if getattr(cause, "lightning_multids_logged", False):  # the strategy's line above says what it was
+        where = f"{_where(shown)}; {TRACEBACK}=1 shows the traceback"
+        if getattr(shown, "lightning_multids_logged", False):  # the strategy's line above says what it was
             sys.exit(f"lightning-multids: stopped by the error above ({where})")
-        sys.exit(f"lightning-multids: {type(cause).__name__}: {cause}\n  ({where})")
+        sys.exit(f"lightning-multids: {type(shown).__name__}: {shown}\n  ({where})")
 
 
 TRACEBACK = "LIGHTNING_MULTIDS_TRACEBACK"
 """Set to 1, the command shows the traceback of every error, not only of those it takes for a bug."""
 
-_MISUSE = (ValueError, TypeError, OSError, FloatingPointError, MisconfigurationException)
-"""What a setting, a path or the data causes: shown as the message and where it was raised, not as a traceback."""
+_MISUSE = (ValueError, OSError, FloatingPointError, MisconfigurationException)
+"""What a setting, a path or the data causes: shown as the message and where it came from, not as a traceback."""
+
+_PACKAGE = Path(__file__).resolve().parent
 
 
-def _root_cause(error: BaseException) -> BaseException:
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return error
+def _shown_error(error: BaseException) -> BaseException:
+    """The error to show: the innermost of the chain raised by the package or by the user's code, else ``error``.
+
+    (LightningCLI and jsonargparse raise their own errors from the one the module's ``__init__`` raised.)
+    """
+    chain: list[BaseException] = []
+    link: BaseException | None = error
+    while link is not None and not any(link is seen for seen in chain):  # a chain may loop back
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    ours = [link for link in chain if _raised_deliberately(link) or _raised_by_the_user(link)]
+    return ours[-1] if ours else error
+
+
+def _raised_by_the_user(error: BaseException) -> bool:
+    """Whether ``error`` came through the user's code (a module's ``__init__``, not only the parser's code)."""
+    return bool(_user_frames(error))
+
+
+def _frames(error: BaseException) -> list[traceback.FrameSummary]:
+    return list(traceback.extract_tb(error.__traceback__))
+
+
+def _user_frames(error: BaseException) -> list[traceback.FrameSummary]:
+    """The frames of ``error``'s traceback in the user's code: outside the package, installed packages and scripts."""
+    paths = sysconfig.get_paths()
+    outside = [_PACKAGE, *(Path(paths[key]).resolve() for key in ("purelib", "platlib", "stdlib", "scripts"))]
+    return [
+        frame
+        for frame in _frames(error)
+        if not frame.filename.startswith("<")  # `<frozen runpy>`, `<string>`
+        and not any(Path(frame.filename).resolve().is_relative_to(path) for path in outside)
+    ]
+
+
+def _raised_deliberately(error: BaseException) -> bool:
+    """Whether a ``raise`` statement of the package raised ``error``: one of its errors, which name the fix."""
+    frames = _frames(error)
+    if not frames or isinstance(error, AssertionError):
+        return False
+    last = frames[-1]
+    return Path(last.filename).resolve().is_relative_to(_PACKAGE) and (last.line or "").lstrip().startswith("raise")
 
 
 def _misuse(error: BaseException) -> bool:
-    """Whether ``error`` is one a user causes (and its message says what to do), or one a traceback helps to find.
+    """Whether ``error`` is one a user causes (its message says what to do), or one a traceback helps to find.
 
-    The strategy's own errors name the engine, the setting and the fix, whatever their type; elsewhere the
-    types of :data:`_MISUSE`.
+    The strategy's own errors (a ``raise`` of the package) name the engine, the setting and the fix; elsewhere
+    the types of :data:`_MISUSE`. A bug in the package (an ``AttributeError`` in its code) keeps its traceback.
     """
-    frames = traceback.extract_tb(error.__traceback__)
-    raised_here = bool(frames) and Path(frames[-1].filename).is_relative_to(Path(__file__).parent)
-    return raised_here or isinstance(error, _MISUSE)
+    return _raised_deliberately(error) or isinstance(error, _MISUSE)
 
 
 def _where(error: BaseException) -> str:
-    """The line of the user's code (outside installed packages) the error came through, else where it was raised."""
-    frames = traceback.extract_tb(error.__traceback__)
+    """The innermost line of the user's code the error came through, else where it was raised."""
+    frames = _user_frames(error) or _frames(error)
     if not frames:
         return "raised at an unknown place"
-    installed = [Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "stdlib")]
-    own = [f for f in frames if not any(Path(f.filename).resolve().is_relative_to(root) for root in installed)]
-    frame = (own or frames)[-1]
-    return f"in {_shown(frame.filename)}:{frame.lineno}, {frame.name}"
+    return f"in {_shown(frames[-1].filename)}:{frames[-1].lineno}, {frames[-1].name}"
 
 
 def _shown(filename: str) -> str:

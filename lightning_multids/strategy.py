@@ -721,6 +721,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         )
         with contextlib.suppress(AttributeError):  # the command then shows no second copy of the message
             exception.lightning_multids_logged = True  # type: ignore[attr-defined]
+            exception.lightning_multids_peer_failed = bool(broken)  # type: ignore[attr-defined]
         super().on_exception(exception)
 
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -175,14 +176,36 @@ def test_a_missing_input_file_stops_the_command_before_its_ranks_with_the_messag
 
 
 def test_an_error_a_traceback_helps_to_find_keeps_it() -> None:
-    from lightning_multids.cli import _misuse
+    """A setting, a path, the data or the strategy's refusal: the message; a bug, ours or the user's: a traceback."""
+    from lightning_multids._record import EngineRecord, Phase
+    from lightning_multids.cli import _misuse, _shown_error
 
-    def fails(error: Exception) -> Exception:
+    def raised(call: Callable[[], object]) -> BaseException:
         try:
-            raise error
-        except Exception as raised:
-            return raised
+            call()
+        except Exception as error:
+            return error
+        raise AssertionError("nothing raised")
 
-    assert _misuse(fails(ValueError("a setting"))) and _misuse(fails(FileNotFoundError("a path")))
-    assert not _misuse(fails(RuntimeError("a shape mismatch in the user's step")))
-    assert not _misuse(fails(KeyError("a bug")))
+    def bad_setting() -> None:
+        raise ValueError("a setting")
+
+    assert _misuse(raised(bad_setting)) and _misuse(raised(Path("/nowhere/at/all").read_text))
+    assert not _misuse(raised(lambda: torch.ones(2) @ torch.ones(3)))  # a shape error in the user's step
+    assert not _misuse(raised(lambda: {}["key"])) and not _misuse(raised(lambda: len(3)))  # type: ignore[arg-type]
+    record = EngineRecord("g", None, phase=Phase.BACKWARD)  # type: ignore[arg-type]
+    assert _misuse(raised(record.refuse_step))  # a refusal of the package's, whatever its type
+    record.guard = object()  # type: ignore[assignment]
+    assert not _misuse(raised(lambda: setattr(record, "has_gradients", True)))  # a bug in the package's code
+
+    def wrapped() -> None:  # as LightningCLI wraps what the module's `__init__` raised
+        try:
+            Path("/nowhere/at/all").read_text()
+        except OSError as error:
+            raise ValueError("Does not validate against any of the Union subtypes") from error
+
+    assert isinstance(_shown_error(raised(wrapped)), FileNotFoundError)
+    looped = raised(bad_setting)
+    looped.__cause__ = ValueError("outer")
+    looped.__cause__.__cause__ = looped
+    assert _shown_error(looped) is looped  # a chain that loops back ends
