@@ -95,14 +95,16 @@ class Distillation(Classified):
     named in the strategy's ``engines``, it becomes a frozen engine (ZeRO-3: each rank holds a part).
 
     Args:
-        teacher_checkpoint: a checkpoint directory of a :class:`DigitsClassifier` run (its ``net`` engine).
+        teacher_checkpoint: a checkpoint directory of a :class:`DigitsClassifier` run (its ``net`` engine); None
+            to build the module without the teacher's weights (``load_from_checkpoint`` of a student, the teacher
+            not needed).
         teacher_hidden: the teacher's hidden layer sizes, as in that run.
         student_hidden: the student's hidden layer sizes.
     """
 
     def __init__(
         self,
-        teacher_checkpoint: str,
+        teacher_checkpoint: str | None,
         teacher_hidden: list[int],
         student_hidden: list[int],
         temperature: float = 4.0,
@@ -111,7 +113,7 @@ class Distillation(Classified):
         weight_decay: float = 1e-4,
     ) -> None:
         super().__init__()
-        if not Path(teacher_checkpoint).exists():  # checked here, before the command starts its ranks
+        if teacher_checkpoint is not None and not Path(teacher_checkpoint).exists():  # before the ranks start
             raise FileNotFoundError(
                 f"The teacher checkpoint {teacher_checkpoint!r} does not exist. Train the teacher first: "
                 "`lightning-multids fit --config configs/distill_teacher.yaml` writes it."
@@ -123,7 +125,8 @@ class Distillation(Classified):
 
     def setup(self, stage: str) -> None:
         """Load the teacher's trained weights, on every rank, before the strategy builds its engine."""
-        self.teacher.load_state_dict(consolidated_state_dicts(Path(self.hparams.teacher_checkpoint))["net"])
+        if self.hparams.teacher_checkpoint is not None:
+            self.teacher.load_state_dict(consolidated_state_dicts(Path(self.hparams.teacher_checkpoint))["net"])
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         super().validation_step(batch, batch_idx)

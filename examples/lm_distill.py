@@ -152,7 +152,8 @@ class LMDistillation(pl.LightningModule):
     from the checkpoint of a :class:`CausalLM` run (its ``model`` engine).
 
     Args:
-        teacher_checkpoint: the checkpoint directory of the teacher's run.
+        teacher_checkpoint: the checkpoint directory of the teacher's run; None to build the module without the
+            teacher's weights (``load_from_checkpoint`` of a student, the teacher not needed).
         teacher_layers: the teacher's blocks, as in that run.
         student_layers: each student's blocks.
         width: the embedding width of all three.
@@ -171,7 +172,7 @@ class LMDistillation(pl.LightningModule):
 
     def __init__(
         self,
-        teacher_checkpoint: str,
+        teacher_checkpoint: str | None,
         teacher_layers: int = 4,
         student_layers: int = 2,
         width: int = 128,
@@ -205,7 +206,8 @@ class LMDistillation(pl.LightningModule):
         if self.started:
             return
         self.started = True
-        self.teacher.load_state_dict(checkpoint_weights(self.hparams.teacher_checkpoint, "model", TEACHER_FIRST))
+        if self.hparams.teacher_checkpoint is not None:
+            self.teacher.load_state_dict(checkpoint_weights(self.hparams.teacher_checkpoint, "model", TEACHER_FIRST))
         if self.hparams.student_checkpoint is not None:
             weights = checkpoint_weights(self.hparams.student_checkpoint, self.hparams.student_engine, STUDENT_FIRST)
             self.student.load_state_dict(weights)

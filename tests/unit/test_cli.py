@@ -209,3 +209,12 @@ def test_an_error_a_traceback_helps_to_find_keeps_it() -> None:
     looped.__cause__ = ValueError("outer")
     looped.__cause__.__cause__ = looped
     assert _shown_error(looped) is looped  # a chain that loops back ends
+
+
+def test_a_distillation_module_builds_without_its_teacher_only_when_told() -> None:
+    """``load_from_checkpoint`` of a student where the teacher's checkpoint is gone: ``teacher_checkpoint=None``."""
+    from examples.distill import Distillation
+
+    with pytest.raises(FileNotFoundError, match="The teacher checkpoint 'nowhere.ckpt' does not exist"):
+        Distillation("nowhere.ckpt", [8], [4])
+    Distillation(None, [8], [4]).setup("fit")  # the teacher keeps its initial weights
