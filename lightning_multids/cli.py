@@ -56,6 +56,10 @@ DESCRIPTION = (
     "Train LightningModules with one DeepSpeed engine per submodule. Subcommands: fit, validate, test, predict "
     "(LightningCLI; start from a YAML in configs/), and `export CKPT OUT` (plain state_dicts from a checkpoint)."
 )
+EPILOG = (
+    "Also: `export CKPT OUT` writes each engine's weights from a checkpoint directory as plain state_dicts, "
+    "save_pretrained folders or one Lightning file (lightning-multids export --help)."
+)
 
 
 class MultiDeepSpeedCLI(LightningCLI):
@@ -71,7 +75,7 @@ class MultiDeepSpeedCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"description": DESCRIPTION},
+            parser_kwargs={"description": DESCRIPTION, "epilog": EPILOG},
             args=list(args) if args is not None else None,
             run=run,
         )

@@ -218,3 +218,13 @@ def test_a_distillation_module_builds_without_its_teacher_only_when_told() -> No
     with pytest.raises(FileNotFoundError, match="The teacher checkpoint 'nowhere.ckpt' does not exist"):
         Distillation("nowhere.ckpt", [8], [4])
     Distillation(None, [8], [4]).setup("fit")  # the teacher keeps its initial weights
+
+
+def test_the_commands_help_lists_export_beside_lightnings_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "{fit,validate,test,predict}" in shown
+    assert "Also: `export CKPT OUT` writes each engine's weights" in shown
+    assert "(lightning-multids export --help)" in shown
