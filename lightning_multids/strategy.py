@@ -6,7 +6,6 @@ import contextlib
 import functools
 import gc
 import logging
-import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,8 +62,6 @@ from lightning_multids._precision import EnginePrecision
 
 log = logging.getLogger(__name__)
 __all__ = ["MultiDeepSpeedStrategy"]
-
-_COLLECTIVE_FAILURE = re.compile(r"Connection (closed|reset)|gloo|NCCL|Broken pipe", re.IGNORECASE)
 
 
 class MultiDeepSpeedStrategy(DDPStrategy):
@@ -711,7 +708,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         The process then exits; the other ranks' pending collectives fail as soon as its connections
         close, so they stop too (tested: all exit non-zero within seconds, no hang).
         """
-        broken = isinstance(exception, RuntimeError) and _COLLECTIVE_FAILURE.search(str(exception))
+        broken = torch_compat.peer_failed(exception)
         self._failed = True  # teardown does not keep this fit's engines for saving
         self.release()  # nor an earlier fit's: this one may have failed before its setup released them
         reason = "a collective failed, most likely because another rank stopped (see its output)" if broken else ""

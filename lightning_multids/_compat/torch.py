@@ -7,6 +7,7 @@ one file.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
@@ -85,6 +86,21 @@ class ForwardCounter:
                 function.forward = self._originals.pop(function)  # type: ignore[attr-defined]
                 self._open.pop(function, None)
         self._functions = ()
+
+
+_GLOO_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
+
+
+def peer_failed(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective that failed because another rank went away.
+
+    NCCL and the store raise ``torch.distributed.DistError`` subclasses, which say so by type. Gloo raises a plain
+    ``RuntimeError`` from its transport when a peer's connection closes (torch 2.11-2.15): there the message of
+    that transport error is the only mark, so it is read, and nothing else of gloo's counts.
+    """
+    if isinstance(exception, torch.distributed.DistError):
+        return True
+    return type(exception) is RuntimeError and bool(_GLOO_PEER_GONE.search(str(exception)))
 
 
 def accumulates_into() -> bool:

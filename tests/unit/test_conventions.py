@@ -155,3 +155,18 @@ def test_a_failure_is_logged_with_its_rank(caplog: pytest.LogCaptureFixture) -> 
         MultiDeepSpeedStrategy().on_exception(RuntimeError("Connection closed by peer"))
     assert "[rank 0] MultiDeepSpeedStrategy: RuntimeError: Connection closed by peer" in caplog.text
     assert "another rank stopped" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("error", "peer"),
+    [
+        (RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"), True),
+        (torch.distributed.DistBackendError("NCCL communicator was aborted"), True),
+        (RuntimeError("[enforce fail at ../gloo/allreduce.cc] mismatched sizes in a gloo all_reduce"), False),
+        (ValueError("Connection closed by peer"), False),
+    ],
+)
+def test_only_a_lost_peer_is_reported_as_another_rank_failing(error: BaseException, peer: bool) -> None:
+    """By type where torch gives one (``DistError``); gloo's plain RuntimeError by its transport's text alone."""
+    MultiDeepSpeedStrategy().on_exception(error)
+    assert error.lightning_multids_peer_failed is peer  # type: ignore[attr-defined]
