@@ -9,8 +9,9 @@ exponential moving average of the generator (the strategy's ``ema=``), is a froz
 are drawn from it. Both networks are told which digit to draw or judge (a conditional GAN): an unconditional one
 of this size collapses onto a few digits. Each validation epoch logs the Kernel Inception Distance between
 generated and held-out digits, measured in the feature space of a small digit classifier
-(:mod:`examples.digits`), the share of each digit among samples as that classifier labels them (``digits/0``
-to ``digits/9``; ``val/rarest_digit`` the least), and a grid of samples (one column per digit).
+(:mod:`examples.digits`), how varied the samples of each digit are against held-out digits (``val/diversity``),
+the share of each digit among samples as that classifier labels them (``digits/0`` to ``digits/9``;
+``val/rarest_digit`` the least), and a grid of samples (one column per digit).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LRScheduler
 from torchmetrics.image.kid import KernelInceptionDistance
 
-from examples.digits import CLASSES, IMAGE, DigitsFeatures, load_features
+from examples.digits import CLASSES, IMAGE, DigitsFeatures, digits_split, load_features
 
 
 class Generator(nn.Module):
@@ -59,26 +60,32 @@ class Generator(nn.Module):
 
 
 class Discriminator(nn.Module):
+    """Judges an image as a drawing of a given digit: real or generated (a projection discriminator).
+
+    Its logit is ``w . h(x) + e(digit) . h(x)``: a real-or-generated score plus how well the image's features match
+    the digit's embedding (Miyato and Koyama, 2018), so it judges image and digit together.
+    """
+
     def __init__(self, hidden: int = 128) -> None:
         super().__init__()
-        self.net = nn.Sequential(
+        self.body = nn.Sequential(
             nn.Linear(IMAGE, hidden),
             nn.LeakyReLU(0.2),
             nn.Linear(hidden, hidden),
             nn.LeakyReLU(0.2),
-            nn.Linear(hidden, 1 + CLASSES),
         )
+        self.score = nn.Linear(hidden, 1)
+        self.digits = nn.Embedding(CLASSES, hidden)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The real-or-generated logit (n) and the digit's class logits (n x 10)."""
-        out = self.net(x)
-        return out[:, 0], out[:, 1:]
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The real-or-generated logit (n) of each image drawn as its digit in ``labels``."""
+        features = self.body(x)
+        return self.score(features).squeeze(1) + (self.digits(labels) * features).sum(1)
 
-    def loss(self, x: torch.Tensor, real: bool, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Binary cross-entropy against ``real``, plus cross-entropy of the class logits against ``labels`` if given."""
-        logit, classes = self(x)
-        loss = F.binary_cross_entropy_with_logits(logit, torch.full_like(logit, float(real)))
-        return loss if labels is None else loss + F.cross_entropy(classes, labels)
+    def loss(self, x: torch.Tensor, labels: torch.Tensor, real: bool) -> torch.Tensor:
+        """Binary cross-entropy of the logits against ``real``."""
+        logit = self(x, labels)
+        return F.binary_cross_entropy_with_logits(logit, torch.full_like(logit, float(real)))
 
 
 class DigitsGAN(pl.LightningModule):
@@ -92,7 +99,7 @@ class DigitsGAN(pl.LightningModule):
     """
 
     def __init__(
-        self, latent_dim: int = 16, lr: float = 1e-3, grid_rows: int = 6, histogram_samples: int = 2000
+        self, latent_dim: int = 16, lr: float = 2e-3, grid_rows: int = 6, histogram_samples: int = 2000
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -120,15 +127,15 @@ class DigitsGAN(pl.LightningModule):
         opt_g, opt_d = self.optimizers()
         fake = self.generator.sample(labels, self.device)
 
-        # Discriminator: called twice, on real and on (detached) generated images; it learns to name real digits.
-        d_loss = self.discriminator.loss(real, True, labels) + self.discriminator.loss(fake.detach(), False)
+        # Discriminator: called twice, on real and on (detached) generated images of the digits in `labels`.
+        d_loss = self.discriminator.loss(real, labels, True) + self.discriminator.loss(fake.detach(), labels, False)
         opt_d.zero_grad()
         self.manual_backward(d_loss)
         opt_d.step()
 
         # Generator: its loss flows through the discriminator, whose gradients stay off while toggled.
         with self.toggled_optimizer(opt_g):
-            g_loss = self.discriminator.loss(fake, True, labels)
+            g_loss = self.discriminator.loss(fake, labels, True)
             opt_g.zero_grad()
             self.manual_backward(g_loss)
             opt_g.step()
@@ -146,6 +153,7 @@ class DigitsGAN(pl.LightningModule):
         shares = self.class_shares(self.hparams.histogram_samples // 4).to(self.device)  # synced: nccl needs the GPU
         self.log_dict({"val/kid": kid_mean, "val/rarest_digit": shares.min()}, prog_bar=True, sync_dist=True)
         self.log_dict({f"digits/{digit}": share for digit, share in enumerate(shares)}, sync_dist=True)
+        self.log("val/diversity", self.diversity(), sync_dist=True)
         # The same noise every epoch, so the grids show one set of samples improving; a column per digit.
         fixed = torch.Generator().manual_seed(0)
         labels = torch.arange(CLASSES).repeat(self.hparams.grid_rows)
@@ -168,6 +176,23 @@ class DigitsGAN(pl.LightningModule):
         fixed = torch.Generator().manual_seed(1)
         return digit_shares(self.classifier, self.sampler.sample(labels, self.device, generator=fixed))
 
+    @torch.no_grad()
+    def diversity(self, per_digit: int = 50) -> float:
+        """How varied the samples of each digit are, against held-out digits: 1 is as varied, 0 all alike.
+
+        For each digit, the mean distance between two samples in the classifier's feature space over the same for
+        the held-out images of that digit; the mean over digits. The same noise every epoch, on every rank.
+        """
+        images, labels = (tensor.to(self.device) for tensor in digits_split()["val"].tensors)
+        asked = torch.arange(CLASSES).repeat_interleave(per_digit).to(self.device)
+        fixed = torch.Generator().manual_seed(2)
+        samples = self.sampler.sample(asked, self.device, generator=fixed).float()
+        ratios = [
+            spread(self.classifier(samples[asked == digit])) / spread(self.classifier(images[labels == digit]))
+            for digit in range(CLASSES)
+        ]
+        return float(torch.stack(ratios).mean())
+
     def on_train_epoch_end(self) -> None:
         for scheduler in self.lr_schedulers():  # manual optimization: the schedulers are stepped here
             scheduler.step()
@@ -187,6 +212,12 @@ def digit_shares(classifier: DigitsFeatures, images: torch.Tensor) -> torch.Tens
     """The share of each digit among ``images`` as ``classifier`` labels them (10 floats summing to 1)."""
     predicted = classifier.classify(images.float()).argmax(dim=1)
     return torch.bincount(predicted.cpu(), minlength=CLASSES).float() / len(images)
+
+
+def spread(features: torch.Tensor) -> torch.Tensor:
+    """The mean Euclidean distance between two different rows of ``features`` (n x d, n >= 2)."""
+    distances = torch.cdist(features, features)
+    return distances.sum() / (len(features) * (len(features) - 1))
 
 
 def image_grid(images: torch.Tensor, columns: int = 8) -> torch.Tensor:

@@ -42,18 +42,34 @@ class RunSummary(pl.Callback):
             entries["TensorBoard logs"] = str(trainer.logger.log_dir)
         entries.update(getattr(pl_module, "run_summary", {}))
         callback = trainer.checkpoint_callback
-        checkpoint = ""
         if isinstance(callback, ModelCheckpoint):
-            checkpoint = callback.last_model_path or callback.best_model_path
-        if checkpoint:
-            checkpoint = shown(checkpoint)
-            entries["Checkpoint"] = checkpoint
-            exported = Path(checkpoint).parent / "exported"
-            entries["Export weights"] = f"{command('lightning-multids')} export {checkpoint} {exported}"
+            entries.update(checkpoint_lines(callback))
         if trainer.logger is not None and trainer.logger.save_dir:
             entries["See the curves"] = f"{command('tensorboard')} --logdir {trainer.logger.save_dir}"
         width = max(len(label) for label in entries) + 2
         return [f"{label + ':':<{width}}{text}" for label, text in entries.items()]
+
+
+def checkpoint_lines(callback: ModelCheckpoint) -> dict[str, str]:
+    """The checkpoint to export, and the command that does: the best by the callback's ``monitor`` if it has one.
+
+    With a ``monitor`` and ``save_last``, the last checkpoint (what ``--ckpt_path last`` resumes) is named too.
+    """
+    best = callback.best_model_path if callback.monitor else ""
+    last = callback.last_model_path
+    checkpoint = best or last or callback.best_model_path
+    if not checkpoint:
+        return {}
+    entries = {}
+    if best and callback.best_model_score is not None:
+        entries[f"Best checkpoint ({callback.monitor})"] = f"{shown(best)} ({float(callback.best_model_score):.4g})"
+        if last and last != best:
+            entries["Last checkpoint"] = shown(last)
+    else:
+        entries["Checkpoint"] = shown(checkpoint)
+    exported = Path(shown(checkpoint)).parent / "exported"
+    entries["Export weights"] = f"{command('lightning-multids')} export {shown(checkpoint)} {exported}"
+    return entries
 
 
 def shown(path: str) -> str:

@@ -118,16 +118,22 @@ def gan_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def test_gan_config_trains_and_logs_curves_kid_and_a_sample_grid(gan_run: tuple[Path, str]) -> None:
     workdir, output = gan_run
     log_dir = workdir / "outputs" / "gan" / "gan" / "version_0"
-    assert "Engines (ZeRO stage): {'generator': 1, 'discriminator': 2, 'generator_ema': 3}" in output
+    engines = "{'generator': 1, 'discriminator': 2, 'generator_ema': 3}"
+    assert re.search(rf"^Engines \(ZeRO stage\): +{re.escape(engines)}$", output, re.M), output
     assert "tensorboard --logdir outputs/gan" in output
     tags = events(log_dir).Tags()
     shares = {f"digits/{digit}" for digit in range(10)}
-    assert {"train/d_loss", "train/g_loss", "val/kid", "val/rarest_digit", *shares} <= set(tags["scalars"]), tags
+    logged = {"train/d_loss", "train/g_loss", "val/kid", "val/rarest_digit", "val/diversity", *shares}
+    assert logged <= set(tags["scalars"]), tags
     assert re.search(r"^Digits drawn: +0: \d+\.\d%  1: .*  9: \d+\.\d% \(of 2000, by the classifier\)$", output, re.M)
     assert "samples" in tags["images"], tags
     assert (log_dir / "samples.png").is_file()
     assert (log_dir / "checkpoints" / "last.ckpt" / "lightning.pt").is_file()
     assert (log_dir / "checkpoints" / "last.ckpt" / "engines" / "generator_ema" / "weights.pt").is_file()  # the EMA
+    best = "outputs/gan/gan/version_0/checkpoints/best.ckpt"  # the lowest KID, which the summary says to export
+    assert (workdir / best / "lightning.pt").is_file()
+    assert re.search(rf"^Best checkpoint \(val/kid\): +{best} \(-?\d", output, re.M), output
+    assert re.search(rf"^Export weights: +\S+ export {best} ", output, re.M), output
     assert (log_dir / "config.yaml").is_file()  # LightningCLI saved the resolved config
 
 
