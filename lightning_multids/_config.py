@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from deepspeed.runtime.config import DtypeEnum
+
 ConfigSource = Mapping[str, Any] | str | Path | None
 """A DeepSpeed config given as a dict, a path to a JSON file, or ``None`` for an empty one."""
 
@@ -232,12 +234,39 @@ def engine_config(
             "or call `self.manual_backward(loss / N)` N times before `opt.step()`."
         )
     config.pop("train_batch_size", None)
+    _check_accumulation_dtype(config, what)
     if device_type == "cpu" and config.get("fp16", {}).get("enabled"):
         raise ValueError(
             f"The DeepSpeed config for {what} enables fp16, which DeepSpeed does not run on a CPU. Use "
             "`Trainer(precision='bf16-mixed')` (or a `bf16` section in the engine's config) on a CPU; fp16 on a GPU."
         )
     return config
+
+
+def _check_accumulation_dtype(config: Mapping[str, Any], what: str) -> None:
+    """Refuse ``data_types.grad_accum_dtype`` other than the weights' dtype at ZeRO-0, which DeepSpeed cannot run.
+
+    Without ZeRO, DeepSpeed accumulates each gradient in the dtype of its weight (and raises ``NotImplementedError``
+    when it builds the engine otherwise); ZeRO-1 accumulates bf16 weights' gradients in fp32 (``BF16_Optimizer``).
+    """
+    wanted = config.get("data_types", {}).get("grad_accum_dtype")
+    if wanted is None or config["zero_optimization"].get("stage", 0) != 0:
+        return
+    half = [key for key in ("fp16", "bf16") if config.get(key, {}).get("enabled")]
+    weights = half[0] if half else "fp32"
+    try:
+        accumulated = DtypeEnum(wanted).name
+    except ValueError:
+        return  # DeepSpeed's own config check names what it accepts
+    if accumulated == weights:
+        return
+    fix = "remove `grad_accum_dtype`"
+    if (weights, accumulated) == ("bf16", "fp32"):
+        fix = 'give the engine ZeRO-1 (`{"zero_optimization": {"stage": 1}}`), which does, or ' + fix
+    raise ValueError(
+        f"The DeepSpeed config for {what} sets `data_types.grad_accum_dtype: {wanted!r}` with {weights} weights at "
+        f"ZeRO-0, where DeepSpeed accumulates each gradient in its weight's dtype, not in {accumulated}: {fix}."
+    )
 
 
 FROZEN_ZERO3: dict[tuple[str, str], int] = {

@@ -93,6 +93,25 @@ def test_accumulation_in_deepspeed_config_is_refused_with_the_lightning_fix() ->
         engine_config("generator", stage=2, default={"gradient_accumulation_steps": 4}, override={})
 
 
+@pytest.mark.parametrize(
+    ("precision", "accumulated", "fix"),
+    [("bf16-mixed", "fp32", r"give the engine ZeRO-1 .* or remove"), ("32-true", "bf16", r"in bf16: remove")],
+)
+def test_an_accumulation_dtype_zero0_cannot_run_is_refused_with_the_engine(
+    precision: str, accumulated: str, fix: str
+) -> None:
+    """DeepSpeed would raise ``NotImplementedError("unsupported mix ...")`` from ``deepspeed.initialize``."""
+    override = {"data_types": {"grad_accum_dtype": accumulated}}
+    with pytest.raises(
+        ValueError, match=rf"engine 'student' sets `data_types.grad_accum_dtype: '{accumulated}'`.*{fix}"
+    ):
+        engine_config("student", stage=0, default={}, override=override, precision=precision)
+    for stage in (1, 2):  # what ZeRO runs, and the weights' own dtype at ZeRO-0, pass
+        engine_config("student", stage=stage, default={}, override=override, precision=precision)
+    same = {"data_types": {"grad_accum_dtype": "bfloat16" if precision == "bf16-mixed" else "float32"}}
+    engine_config("student", stage=0, default={}, override=same, precision=precision)
+
+
 def test_unsupported_precision_lists_the_supported_ones() -> None:
     with pytest.raises(ValueError, match=r"precision='64-true'.*'bf16-mixed'"):
         precision_section("64-true")
