@@ -35,7 +35,7 @@ LANE_TARGETS ?= pytest
 # `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
 # `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
 unexport VENV PYTHON TORCH_SPEC WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
-.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch clean
+.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch lm-grid clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -133,6 +133,11 @@ bench-overhead: $(STAMP)
 	for case in gan distill; do for stage in 0 2 3; do \
 		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/overhead.py --case $$case --stage $$stage --arch transformer \
 			--steps 20; done; done
+
+# The language-model distillation of docs/language-models.md over 3 seeds and both held-out splits: whether the
+# teacher helps (not part of `bench`: about half an hour on 2 CPU cores). Writes outputs/lm-grid/results.json.
+lm-grid: $(STAMP)
+	$(PY) benchmarks/lm_grid.py
 
 # The strategy's host time per step at near-zero compute, split per function (one process, no GPU needed).
 bench-host: $(STAMP)

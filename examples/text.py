@@ -1,12 +1,18 @@
 """Text on every machine, and small causal language models for it: the Python standard library's docstrings, as bytes.
 
 The corpus is the docstrings (modules, classes, functions) of the standard library's top-level ``.py`` files,
-read with :mod:`ast`: about 0.9 MB of English on Python 3.11, nothing downloaded. Every tenth file (in sorted
-order) is held out, so held-out perplexity is measured on modules the models never saw. The split follows the files
-that this Python's build ships (a build with other files splits differently), and a few modules repeat others'
-docstrings (``_py_abc`` and ``abc``, say), so some held-out text is also in the training text (11 of the 512
-validation blocks on CPython 3.11.7): docs/language-models.md says what that means for the results. Tokens are
-UTF-8 bytes (256 of them): no tokenizer to train or ship, and perplexity is per byte.
+read with :mod:`ast`: about 0.9 MB of English on Python 3.11, nothing downloaded. Two ways to hold modules out, so
+that held-out perplexity is measured on modules the models never saw:
+
+* ``"files"`` (the default): every tenth file in sorted order. It follows the files that this Python's build ships
+  (a build with other files splits differently), and a few modules repeat others' docstrings (``_py_abc`` and
+  ``abc``, say), so some held-out text is also in the training text (11 of the 512 validation blocks on CPython
+  3.11.7).
+* ``"names"``: public modules only (no leading underscore, so no such repeats), held out when the CRC-32 of the
+  module's name is 0 modulo 10: the same modules on every build that has them.
+
+docs/language-models.md says what each split means for the results. Tokens are UTF-8 bytes (256 of them): no
+tokenizer to train or ship, and perplexity is per byte.
 
 The models are GPT-2s built from a config (``transformers``), as small as 2 CPU processes train in minutes.
 """
@@ -15,8 +21,10 @@ from __future__ import annotations
 
 import ast
 import sysconfig
+import zlib
 from functools import cache
 from pathlib import Path
+from typing import Literal
 
 import lightning.pytorch as pl
 import torch
@@ -28,6 +36,8 @@ VOCAB = 256
 PAD = 0
 """The NUL byte, which no docstring holds: Hugging Face's ``generate`` wants a padding token."""
 HELD_OUT_EVERY = 10
+Split = Literal["files", "names"]
+"""Which modules are held out (the module's docstring)."""
 
 
 def docstrings(path: Path) -> list[str]:
@@ -41,14 +51,27 @@ def docstrings(path: Path) -> list[str]:
     return [text for text in texts if text and len(text) > 40]
 
 
+def held_out_module(index: int, path: Path, split: Split) -> bool | None:
+    """Whether file number ``index`` (in sorted order) is held out under ``split``; None where ``split`` drops it."""
+    if split == "files":
+        return index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
+    if split == "names":
+        if path.stem.startswith("_"):
+            return None
+        return zlib.crc32(path.stem.encode()) % HELD_OUT_EVERY == 0
+    raise ValueError(f"Unknown split {split!r}: use 'files' (every tenth file) or 'names' (by module name).")
+
+
 @cache
-def corpus() -> tuple[bytes, bytes]:
-    """(training text, held-out text) as UTF-8 bytes: every :data:`HELD_OUT_EVERY`-th file is held out."""
+def corpus(split: Split = "files") -> tuple[bytes, bytes]:
+    """(training text, held-out text) as UTF-8 bytes, the modules held out as ``split`` says (the module docstring)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     train: list[str] = []
     held_out: list[str] = []
     for index, path in enumerate(sorted(root.glob("*.py"))):
-        (held_out if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else train).extend(docstrings(path))
+        held = held_out_module(index, path, split)
+        if held is not None:
+            (held_out if held else train).extend(docstrings(path))
     text = "\n\n".join(train).encode(), "\n\n".join(held_out).encode()
     if min(len(part) for part in text) < 10_000:
         raise RuntimeError(
@@ -107,16 +130,19 @@ class TextDataModule(pl.LightningDataModule):
         block_size: tokens per block (the models' context must hold it).
         batch_size: blocks per process and step.
         val_blocks: how many held-out blocks validation reads (the first ones, the same every epoch).
+        split: which modules are held out: ``"files"`` (every tenth file) or ``"names"`` (by module name).
     """
 
-    def __init__(self, block_size: int = 64, batch_size: int = 32, val_blocks: int = 512) -> None:
+    def __init__(self, block_size: int = 64, batch_size: int = 32, val_blocks: int = 512, split: Split = "files"):
         super().__init__()
+        held_out_module(0, Path("x.py"), split)  # an unknown split fails here, before the ranks start
         self.block_size = block_size
         self.batch_size = batch_size
         self.val_blocks = val_blocks
+        self.split = split
 
     def setup(self, stage: str) -> None:
-        train, held_out = corpus()
+        train, held_out = corpus(self.split)
         self.train_set = TensorDataset(blocks(train, self.block_size))
         self.val_set = TensorDataset(blocks(held_out, self.block_size)[: self.val_blocks])
 

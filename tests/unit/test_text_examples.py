@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sysconfig
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ pytest.importorskip("peft")
 
 from examples.dpo import dpo_loss, preference_pairs, response_log_probs  # noqa: E402
 from examples.lm_distill import STUDENT_FIRST, checkpoint_weights  # noqa: E402
-from examples.text import blocks, corpus, decode, encode  # noqa: E402
+from examples.text import TextDataModule, blocks, corpus, decode, encode, held_out_module  # noqa: E402
 
 
 def test_the_corpus_is_english_and_its_held_out_part_is_apart() -> None:
@@ -24,6 +25,17 @@ def test_the_corpus_is_english_and_its_held_out_part_is_apart() -> None:
     paragraphs = set(held.split(b"\n\n"))
     shared = [p for p in train.split(b"\n\n") if len(p) > 200 and p in paragraphs]
     assert len(shared) < 0.01 * len(paragraphs), f"{len(shared)} long paragraphs are in both parts"
+
+
+def test_the_split_by_name_holds_out_public_modules_by_the_crc_of_their_name() -> None:
+    root = Path("/lib") / "x"
+    assert held_out_module(0, root / "_py_abc.py", "names") is None  # private modules are left out
+    assert held_out_module(0, root / "abc.py", "names") is (zlib.crc32(b"abc") % 10 == 0)
+    assert held_out_module(9, root / "abc.py", "files") and not held_out_module(8, root / "abc.py", "files")
+    train, held = corpus("names")
+    assert len(train) > 200_000 and len(held) > 20_000 and (train, held) != corpus("files")
+    with pytest.raises(ValueError, match="Unknown split 'modules': use 'files'"):
+        TextDataModule(split="modules")  # type: ignore[arg-type]
 
 
 def test_bytes_round_trip_and_blocks_drop_the_remainder() -> None:
@@ -35,8 +47,20 @@ def test_bytes_round_trip_and_blocks_drop_the_remainder() -> None:
     assert decode(cut.flatten()) == text.encode()[: cut.numel()].decode(errors="replace")
 
 
-def test_a_rejected_response_is_the_chosen_one_shuffled_after_the_same_prompt() -> None:
+def test_a_rejected_response_is_another_blocks_continuation_after_the_same_prompt() -> None:
     chosen, rejected = preference_pairs(corpus()[1][:4_000], prompt=12, response=8, seed=0)
+    assert chosen.shape == rejected.shape and len(chosen) > 0.95 * (4_000 // 20)
+    assert torch.equal(chosen[:, :12], rejected[:, :12])
+    assert not (chosen[:, 12:] == rejected[:, 12:]).all(1).any()  # never the block's own
+    responses = {tuple(row) for row in chosen[:, 12:].tolist()}
+    assert all(tuple(row) in responses for row in rejected[:, 12:].tolist())  # each another block's continuation
+    assert len({tuple(row) for row in rejected[:, 12:].tolist()}) > 0.95 * len(rejected)  # each used about once
+    with pytest.raises(ValueError, match="Unknown rejected='reversed': use 'other'"):
+        preference_pairs(corpus()[1][:4_000], prompt=12, response=8, seed=0, rejected="reversed")  # type: ignore[arg-type]
+
+
+def test_a_shuffled_rejected_response_is_the_chosen_one_shuffled_after_the_same_prompt() -> None:
+    chosen, rejected = preference_pairs(corpus()[1][:4_000], prompt=12, response=8, seed=0, rejected="shuffled")
     assert chosen.shape == rejected.shape == (4_000 // 20, 20)
     assert torch.equal(chosen[:, :12], rejected[:, :12])
     assert torch.equal(chosen[:, 12:].sort(1).values, rejected[:, 12:].sort(1).values)
