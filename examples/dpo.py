@@ -5,15 +5,19 @@ Run after the two distillation configs (``configs/lm_distill_teacher.yaml``, ``c
     lightning-multids fit --config configs/dpo.yaml
 
 Direct Preference Optimization (Rafailov et al., 2023) on pairs built from the standard library's docstrings
-(:mod:`examples.text`): a prompt of text, its true continuation (preferred) and the same bytes shuffled
-(rejected). The policy starts from the distilled student's weights with LoRA adapters on its attention and
-feed-forward projections (PEFT; only the adapters train); the reference is the same weights, frozen, partitioned at
-ZeRO-3 (with ``offload_param``: its partitions in host memory). Two engines, one optimizer: Lightning's automatic
-optimization. Training and validation log the loss, the reward margin ``beta * (log-ratio of the chosen -
-log-ratio of the rejected)`` and the accuracy (the share of pairs whose margin is positive).
+(:mod:`examples.text`): a prompt of text, its true continuation (preferred) and the continuation of another place in
+the text (rejected: real text that does not follow the prompt). The policy starts from the distilled student's
+weights with LoRA adapters on its attention and feed-forward projections (PEFT; only the adapters train); the
+reference is the same weights, frozen, partitioned at ZeRO-3 (with ``offload_param``: its partitions in host
+memory). Two engines, one optimizer: Lightning's automatic optimization. Training and validation log the loss, the
+reward margin ``beta * (log-ratio of the chosen - log-ratio of the rejected)`` and the accuracy (the share of pairs
+whose margin is positive); validation also logs how often the policy, and the reference, finds the true continuation
+more likely than the other (``prefers``).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import lightning.pytorch as pl
 import torch
@@ -30,19 +34,36 @@ from examples.lm_distill import (
 )
 from examples.text import blocks, corpus, gpt2
 
+Rejected = Literal["other", "shuffled"]
+"""How a pair's rejected response is made (:func:`preference_pairs`)."""
 
-def preference_pairs(data: bytes, prompt: int, response: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected), each n x (prompt + response) tokens: the text's own continuation, and it shuffled.
 
-    A pair whose shuffle changes nothing (a response of one repeated byte, say) is left out.
+def preference_pairs(
+    data: bytes, prompt: int, response: int, seed: int, rejected: Rejected = "other"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected), each n x (prompt + response) tokens: after the same prompt, its own continuation and another.
+
+    The text is cut into blocks of ``prompt + response`` bytes; a block is a prompt and its true continuation. The
+    rejected response is, with ``"other"``, the continuation of another block (a random one, never the block
+    itself): real text that does not follow the prompt; with ``"shuffled"``, the true continuation's bytes in a
+    random order (easy to tell from text). A pair whose two responses are the same is left out.
     """
     chosen = blocks(data, prompt + response)
     generator = torch.Generator().manual_seed(seed)
-    order = torch.stack([torch.randperm(response, generator=generator) for _ in range(len(chosen))])
-    rejected = chosen.clone()
-    rejected[:, prompt:] = chosen[:, prompt:].gather(1, order)
-    differ = (chosen != rejected).any(1)
-    return chosen[differ], rejected[differ]
+    if rejected == "other":
+        order = torch.randperm(len(chosen), generator=generator)
+        others = torch.empty_like(order)
+        others[order] = order.roll(1)  # each block takes the next one's in a random cycle: never its own
+        responses = chosen[others, prompt:]
+    elif rejected == "shuffled":
+        order = torch.stack([torch.randperm(response, generator=generator) for _ in range(len(chosen))])
+        responses = chosen[:, prompt:].gather(1, order)
+    else:
+        raise ValueError(f"Unknown rejected={rejected!r}: use 'other' (another block's continuation) or 'shuffled'.")
+    rejected_pairs = chosen.clone()
+    rejected_pairs[:, prompt:] = responses
+    differ = (chosen != rejected_pairs).any(1)
+    return chosen[differ], rejected_pairs[differ]
 
 
 def response_log_probs(model: torch.nn.Module, sequences: torch.Tensor, start: int) -> torch.Tensor:
@@ -123,6 +144,10 @@ class DPO(pl.LightningModule):
             reference = response_log_probs(self.reference, sequences, start)
         loss, margins = dpo_loss(policy, reference, self.hparams.beta)
         metrics = {"loss": loss, "reward_margin": margins.mean(), "accuracy": (margins > 0).float().mean()}
+        if split == "val":  # how often each model finds the true continuation the more likely one
+            for name, log_probs in (("policy", policy), ("reference", reference)):
+                chosen, rejected = log_probs.chunk(2)
+                metrics[f"{name}_prefers"] = (chosen > rejected).float().mean()
         self.log_dict({f"{split}/{name}": value for name, value in metrics.items()}, prog_bar=True, sync_dist=True)
         return loss
 
@@ -137,6 +162,8 @@ class DPO(pl.LightningModule):
         if "val/accuracy" in metrics:
             accuracy, margin = metrics["val/accuracy"].item(), metrics["val/reward_margin"].item()
             self.run_summary["Held-out preference"] = f"accuracy {accuracy:.3f}, reward margin {margin:.3f}"
+            policy, reference = (metrics[f"val/{name}_prefers"].item() for name in ("policy", "reference"))
+            self.run_summary["True continuation preferred"] = f"policy {policy:.3f}, reference {reference:.3f}"
         lines = continuations(self, "policy", self.hparams.generate)
         log_text(self, "generated", lines)
         self.run_summary["Generated"] = "  ".join(lines)
@@ -154,20 +181,31 @@ class PreferenceDataModule(pl.LightningDataModule):
         response: bytes of each response.
         batch_size: pairs per process and step.
         val_pairs: how many held-out pairs validation reads.
-        seed: the seed of the shuffles.
+        seed: the seed of the pairing (or the shuffles).
+        rejected: ``"other"``: another block's continuation; ``"shuffled"``: the true one's bytes shuffled.
     """
 
-    def __init__(self, prompt: int = 48, response: int = 16, batch_size: int = 16, val_pairs: int = 256, seed: int = 0):
+    def __init__(
+        self,
+        prompt: int = 48,
+        response: int = 16,
+        batch_size: int = 16,
+        val_pairs: int = 256,
+        seed: int = 0,
+        rejected: Rejected = "other",
+    ) -> None:
         super().__init__()
         self.prompt, self.response = prompt, response
         self.batch_size = batch_size
         self.val_pairs = val_pairs
         self.seed = seed
+        self.rejected = rejected
 
     def setup(self, stage: str) -> None:
         train, held_out = corpus()
-        self.train_set = TensorDataset(*preference_pairs(train, self.prompt, self.response, self.seed))
-        chosen, rejected = preference_pairs(held_out, self.prompt, self.response, self.seed + 1)
+        pairs = preference_pairs(train, self.prompt, self.response, self.seed, self.rejected)
+        self.train_set = TensorDataset(*pairs)
+        chosen, rejected = preference_pairs(held_out, self.prompt, self.response, self.seed + 1, self.rejected)
         self.val_set = TensorDataset(chosen[: self.val_pairs], rejected[: self.val_pairs])
 
     def train_dataloader(self) -> DataLoader:

@@ -110,11 +110,20 @@ def preference_accuracy(output: str) -> float:
     return float(line.group(1))
 
 
+def true_continuation_preferred(output: str) -> dict[str, float]:
+    """The DPO run's ``True continuation preferred:`` line (``examples/dpo.py``) as model -> share of pairs."""
+    line = re.search(r"^True continuation preferred: +policy (\d\.\d+), reference (\d\.\d+)$", output, flags=re.M)
+    assert line is not None, "the DPO run printed no shares of the true continuation preferred"
+    return {"policy": float(line.group(1)), "reference": float(line.group(2))}
+
+
 def test_the_language_models_results_are_read() -> None:
     output = "x\nHeld-out perplexity:  teacher 6.875, student 9.497, alone 10.619 (per byte)\n"
     output += "Held-out preference:  accuracy 0.934, reward margin 0.517\n"
+    output += "True continuation preferred: policy 0.840, reference 0.809\n"
     assert perplexities(output) == {"teacher": 6.875, "student": 9.497, "alone": 10.619}
     assert preference_accuracy(output) == 0.934
+    assert true_continuation_preferred(output) == {"policy": 0.84, "reference": 0.809}
 
 
 @doctest_only
@@ -156,6 +165,8 @@ def test_readme_commands_run_as_printed(tmp_path: Path) -> None:
     models = perplexities(output)
     assert models["student"] < models["alone"], f"distilling did not help the student: {models}"
     assert preference_accuracy(output) > 0.5, "DPO's held-out preference accuracy ended at 0.5 or below"
+    preferred = true_continuation_preferred(output)
+    assert preferred["policy"] > preferred["reference"], f"DPO did not prefer the true continuation more: {preferred}"
     for folder in ("outputs/lm/exported/student", "outputs/lm/exported-dpo/policy"):  # loaded by from_pretrained
         assert f"{folder}: 'Return the " in output, f"examples/generate.py did not continue a prompt with {folder}"
     distilled = set(events(clone / "outputs/lm/distilled/version_0").Tags()["scalars"])
