@@ -5,7 +5,8 @@ then ``configs/lm_distill.yaml``) once per split for the teacher (seed 0) and on
 students, each in its own folder under ``--out`` (``configs`` linked there, so the configs' relative paths hold),
 and prints, per split, the held-out perplexity of the distilled student and of its control (``alone``: the same
 start and batches, no teacher) as mean and range over the seeds, with each seed's difference. Every run's figures
-go to ``OUT/results.json``; a run whose folder already holds its figures is not run again.
+go to ``OUT/results.json``; a run whose folder already holds its figures for the same arguments is not run again
+(for other arguments, or after a change of a config, give another ``--out``).
 
 Usage: ``python benchmarks/lm_grid.py [--splits files names] [--seeds 0 1 2] [--teacher-epochs N]
 [--student-epochs N] [--out outputs/lm-grid] [-- ARGS]``, where ARGS are passed to every student run
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,7 +35,10 @@ def run(folder: Path, config: str, args: list[str]) -> dict[str, float]:
     """Run ``lightning-multids fit --config configs/CONFIG ARGS`` in ``folder``; the held-out perplexities it prints."""
     done = folder / "figures.json"
     if done.exists():
-        return json.loads(done.read_text())
+        cached = json.loads(done.read_text())
+        if cached.pop("args", None) == args:  # the same run: its figures stand (else it runs again, afresh)
+            return cached
+        shutil.rmtree(folder / "outputs", ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "configs").exists():
         (folder / "configs").symlink_to(ROOT / "configs")
@@ -48,7 +53,7 @@ def run(folder: Path, config: str, args: list[str]) -> dict[str, float]:
     parts = [part.split() for part in match["figures"].split(", ")]  # "6.875", or "teacher 6.9, student 8.8, ..."
     figures = {part[0] if len(part) == 2 else "perplexity": float(part[-1]) for part in parts}
     figures["seconds"] = round(time.monotonic() - start)
-    done.write_text(json.dumps(figures))
+    done.write_text(json.dumps({**figures, "args": args}))
     return figures
 
 

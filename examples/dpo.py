@@ -17,6 +17,7 @@ more likely than the other (``prefers``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 import lightning.pytorch as pl
@@ -32,7 +33,7 @@ from examples.lm_distill import (
     require_checkpoint,
     with_lora,
 )
-from examples.text import blocks, corpus, gpt2
+from examples.text import Split, blocks, corpus, gpt2, held_out_module
 
 Rejected = Literal["other", "shuffled"]
 """How a pair's rejected response is made (:func:`preference_pairs`)."""
@@ -183,6 +184,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         val_pairs: how many held-out pairs validation reads.
         seed: the seed of the pairing (or the shuffles).
         rejected: ``"other"``: another block's continuation; ``"shuffled"``: the true one's bytes shuffled.
+        split: which modules are held out (:class:`~examples.text.TextDataModule`): the student's runs' split.
     """
 
     def __init__(
@@ -193,16 +195,19 @@ class PreferenceDataModule(pl.LightningDataModule):
         val_pairs: int = 256,
         seed: int = 0,
         rejected: Rejected = "other",
+        split: Split = "files",
     ) -> None:
         super().__init__()
+        held_out_module(0, Path("x.py"), split)  # an unknown split fails here, before the ranks start
         self.prompt, self.response = prompt, response
         self.batch_size = batch_size
         self.val_pairs = val_pairs
         self.seed = seed
         self.rejected = rejected
+        self.split = split
 
     def setup(self, stage: str) -> None:
-        train, held_out = corpus()
+        train, held_out = corpus(self.split)
         pairs = preference_pairs(train, self.prompt, self.response, self.seed, self.rejected)
         self.train_set = TensorDataset(*pairs)
         chosen, rejected = preference_pairs(held_out, self.prompt, self.response, self.seed + 1, self.rejected)

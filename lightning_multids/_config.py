@@ -234,7 +234,6 @@ def engine_config(
             "or call `self.manual_backward(loss / N)` N times before `opt.step()`."
         )
     config.pop("train_batch_size", None)
-    _check_accumulation_dtype(config, what)
     if device_type == "cpu" and config.get("fp16", {}).get("enabled"):
         raise ValueError(
             f"The DeepSpeed config for {what} enables fp16, which DeepSpeed does not run on a CPU. Use "
@@ -243,30 +242,29 @@ def engine_config(
     return config
 
 
-def _check_accumulation_dtype(config: Mapping[str, Any], what: str) -> None:
-    """Refuse ``data_types.grad_accum_dtype`` other than the weights' dtype at ZeRO-0, which DeepSpeed cannot run.
+def check_accumulation_dtype(config: Mapping[str, Any], what: str) -> None:
+    """Refuse, for a trained engine, ``data_types.grad_accum_dtype`` other than its weights' dtype at ZeRO-0.
 
-    Without ZeRO, DeepSpeed accumulates each gradient in the dtype of its weight (and raises ``NotImplementedError``
-    when it builds the engine otherwise); ZeRO-1 accumulates bf16 weights' gradients in fp32 (``BF16_Optimizer``).
+    Without ZeRO, DeepSpeed accumulates each gradient in the dtype of its weight, and raises ``NotImplementedError``
+    from ``deepspeed.initialize`` when it is given an optimizer and asked otherwise; ZeRO-1 and higher accept the
+    setting (bf16 weights' gradients in fp32 at ZeRO-1: ``BF16_Optimizer``). An engine without an optimizer (frozen)
+    never reaches that check.
     """
-    wanted = config.get("data_types", {}).get("grad_accum_dtype")
-    if wanted is None or config["zero_optimization"].get("stage", 0) != 0:
+    wanted = (config.get("data_types") or {}).get("grad_accum_dtype")
+    if wanted is None or (config.get("zero_optimization") or {}).get("stage", 0) != 0:
         return
-    half = [key for key in ("fp16", "bf16") if config.get(key, {}).get("enabled")]
-    weights = half[0] if half else "fp32"
+    enabled = [key for key in ("fp16", "bf16", "bfloat16") if (config.get(key) or {}).get("enabled")]
+    weights = {"fp16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}[enabled[0]] if enabled else "fp32"
     try:
         accumulated = DtypeEnum(wanted).name
     except ValueError:
         return  # DeepSpeed's own config check names what it accepts
-    if accumulated == weights:
-        return
-    fix = "remove `grad_accum_dtype`"
-    if (weights, accumulated) == ("bf16", "fp32"):
-        fix = 'give the engine ZeRO-1 (`{"zero_optimization": {"stage": 1}}`), which does, or ' + fix
-    raise ValueError(
-        f"The DeepSpeed config for {what} sets `data_types.grad_accum_dtype: {wanted!r}` with {weights} weights at "
-        f"ZeRO-0, where DeepSpeed accumulates each gradient in its weight's dtype, not in {accumulated}: {fix}."
-    )
+    if accumulated != weights:
+        raise ValueError(
+            f"The DeepSpeed config for {what} sets `data_types.grad_accum_dtype: {wanted!r}` with {weights} weights at "
+            f"ZeRO-0, where DeepSpeed accumulates each gradient in its weight's dtype, not in {accumulated}: give the "
+            'engine ZeRO-1 or higher (`{"zero_optimization": {"stage": 1}}`), or remove `grad_accum_dtype`.'
+        )
 
 
 FROZEN_ZERO3: dict[tuple[str, str], int] = {

@@ -35,7 +35,14 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.lightning import sync_module_states
-from lightning_multids._config import engine_config, frozen_config, merge, sized_buckets, zero_stage
+from lightning_multids._config import (
+    check_accumulation_dtype,
+    engine_config,
+    frozen_config,
+    merge,
+    sized_buckets,
+    zero_stage,
+)
 from lightning_multids._data import per_process_batch_size, train_loaders
 from lightning_multids._ema import Average, build_averager, check_averages
 from lightning_multids._engines import EngineSet
@@ -92,6 +99,8 @@ def build_engines(
     _unpartition_children(module, keep=lambda name: zero_stage(configs[name]) == 3)
     with _agreed(agree):
         plan = plan_engines(trainer, module, configs, overrides)
+        for name in [*plan.matched, *plan.from_config]:
+            check_accumulation_dtype(configs[name], f"the engine {name!r}")
         check_averages(averages or {}, module, [*plan.matched, *plan.from_config], configs)
     result = EngineSet(router=Router(find_unused))
     _build_trainable(result, module, plan, configs)

@@ -35,8 +35,8 @@ def _refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     # The L2 norm of all gradients, as `clip_grad_norm_` computes it: the norm of each in fp32 (one fused kernel per
     # device and dtype on a GPU, one C++ loop on a CPU), the norm of those, and one read of the result. A
     # NaN or inf anywhere makes it non-finite; so would finite values past about 1e19, whose squares overflow (no real
-    # gradient is that large). DeepSpeed's own check at bf16 stage 0 (`BF16_Optimizer.step`: a global norm, read to
-    # decide) costs the same read.
+    # gradient is that large). DeepSpeed's own check at bf16 stage 0 (the overflow check of `FP16_Optimizer` over
+    # bf16 weights, read to decide) costs the same read.
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return

@@ -14,8 +14,9 @@ Engines run with ``managed_gradient_accumulation: false`` (see :mod:`lightning_m
 backward only accumulates and ``engine.step()`` is the accumulation boundary. What a backward leaves
 behind depends on the optimizer DeepSpeed chose:
 
-* stage 0, fp32: ``param.grad`` (reduced in ``step()``); stage 0, bf16 (``BF16_Optimizer``): fp32
-  accumulators beside it; stage 0, fp16 (``FP16_Optimizer``): ``param.grad`` at the loss scale;
+* stage 0, fp32: ``param.grad`` (reduced in ``step()``); stage 0, bf16 (``FP16_Optimizer`` over bf16 weights,
+  DeepSpeed 0.19): ``param.grad`` in bf16; stage 0, fp16 (``FP16_Optimizer``): ``param.grad`` at the loss scale;
+  stage 1, bf16 with ``data_types.grad_accum_dtype: fp32`` (``BF16_Optimizer``): fp32 accumulators beside it;
 * stage 1/2 (``DeepSpeedZeroOptimizer``): ``param.grad``/``grad_accum`` and, at stage 2, gradients
   already reduce-scattered into this rank's partition (``all_grad_tensors``, ``averaged_gradients``);
 * stage 3 (``DeepSpeedZeroOptimizer_Stage3``): reduced partitions that a backward overwrites when
@@ -652,7 +653,7 @@ def reduce_local_gradients(engine: DeepSpeedEngine) -> None:
 def local_gradient(param: torch.nn.Parameter) -> torch.Tensor:
     """A stage 0/1 parameter's accumulated, unreduced gradient, in fp32 (zeros if it has none).
 
-    ``BF16_Optimizer`` (bf16 at stage 0, or at stage 1 with ``data_types.grad_accum_dtype: fp32``) accumulates each
+    ``BF16_Optimizer`` (bf16 at stage 1 with ``data_types.grad_accum_dtype: fp32``) accumulates each
     backward's ``param.grad`` into the fp32 ``_hp_grad`` in its epilogue and clears ``param.grad`` in the next
     prologue, so ``param.grad`` holds only the last backward's share: ``_hp_grad`` is read first. ZeRO-1 may park the
     gradient in ``grad_accum``.
@@ -793,12 +794,14 @@ def ensure_nonfinite_check(engine: DeepSpeedEngine) -> bool:
     """Make DeepSpeed skip a step whose reduced gradients hold a NaN or inf, where it can; whether it now does.
 
     It does already, and ``engine.skipped_steps`` grows, for fp16 engines (the loss scaler), bf16 at stage 0
-    (``BF16_Optimizer``) and ZeRO-3 (a non-finite global norm). ZeRO-1/2 check with ``check_grad_overflow`` (bf16)
-    or the global norm (fp32, ``compute_grad_norm``): a config that turns its check off gets ``check_grad_overflow``
-    back on. A plain torch optimizer (stage 0, fp32) checks nothing: False.
+    (``FP16_Optimizer``/``FP16_UnfusedOptimizer`` over bf16 weights: their overflow check), bf16 at stage 1 with
+    fp32 accumulation (``BF16_Optimizer``) and ZeRO-3 (a non-finite global norm). ZeRO-1/2 check with
+    ``check_grad_overflow`` (bf16) or the global norm (fp32, ``compute_grad_norm``): a config that turns its check
+    off gets ``check_grad_overflow`` back on. A plain torch optimizer (stage 0, fp32) checks nothing: False.
     """
     optimizer = engine.optimizer
-    if engine.fp16_enabled() or isinstance(optimizer, BF16_Optimizer | DeepSpeedZeroOptimizer_Stage3):
+    checking = BF16_Optimizer | FP16_Optimizer | FP16_UnfusedOptimizer | DeepSpeedZeroOptimizer_Stage3
+    if engine.fp16_enabled() or isinstance(optimizer, checking):
         return True
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
         if not (optimizer.compute_grad_norm and optimizer.dtype != torch.bfloat16):

@@ -88,19 +88,18 @@ class ForwardCounter:
         self._functions = ()
 
 
-_GLOO_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|remote process exited|gloo/transport/.*Broken pipe")
 
 
 def peer_failed(exception: BaseException) -> bool:
     """Whether ``exception`` is a collective that failed because another rank went away.
 
-    NCCL and the store raise ``torch.distributed.DistError`` subclasses, which say so by type. Gloo raises a plain
-    ``RuntimeError`` from its transport when a peer's connection closes (torch 2.11-2.15): there the message of
-    that transport error is the only mark, so it is read, and nothing else of gloo's counts.
+    No exception type says so: ``torch.distributed.DistError`` (NCCL's ``DistBackendError``, the store's
+    ``DistNetworkError``) also covers misuse, a port in use and timeouts, and gloo raises a plain ``RuntimeError``
+    (torch 2.11-2.15). So the message is read, for the words of a closed connection (gloo's transport, the store)
+    or of NCCL's remote process that exited, and only on a ``RuntimeError`` (which ``DistError`` is).
     """
-    if isinstance(exception, torch.distributed.DistError):
-        return True
-    return type(exception) is RuntimeError and bool(_GLOO_PEER_GONE.search(str(exception)))
+    return isinstance(exception, RuntimeError) and bool(_PEER_GONE.search(str(exception)))
 
 
 def accumulates_into() -> bool:

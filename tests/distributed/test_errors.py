@@ -346,6 +346,10 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         {"engine_configs": {"generator": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}}},
     ),
     "gathered_differs_by_rank": (lambda: GAN(gathers_by_rank), {"stage": 3}),
+    "accumulation_dtype_at_zero0": (
+        lambda: GAN(returns_loss),
+        {"stage": 0, "engine_configs": {"discriminator": {"data_types": {"grad_accum_dtype": "bf16"}}}},
+    ),
     "frozen_without_parameters": (WithHead, {"engine_configs": {"head": {"zero_optimization": {"stage": 3}}}}),
     "ema_of_another_shape": (lambda: GAN(returns_loss, "generator"), {"ema": {"discriminator": ("generator", 0.9)}}),
     "ema_that_is_trained": (lambda: GAN(returns_loss, "generator"), {"ema": {"generator": ("discriminator", 0.9)}}),
@@ -482,6 +486,8 @@ EXPECTED = {
     r"safe_set_full_optimizer_state\(param, value, \"exp_avg\"\)",
     "step_without_backward": r"`opt.step\(\)` of engine 'generator' was called with no gradient.*manual_backward",
     "zero_grad_before_step": r"engine 'generator' was called with no gradient since its last step or `zero_grad\(\)`",
+    "accumulation_dtype_at_zero0": r"engine 'discriminator' sets `data_types.grad_accum_dtype: 'bf16'` with fp32 "
+    r"weights at ZeRO-0.*ZeRO-1 or higher",
     "offload_with_torch_optimizer": r"engine 'generator' offloads its optimizer states .*`torch.optim.sgd.SGD`.*"
     r"DeepSpeedCPUAdam\(self.generator.parameters\(\), ...\).*zero_force_ds_cpu_optimizer",
     "gathered_differs_by_rank": r"`strategy.gathered\('(generator|discriminator)'\)`: rank\(s\) \[[01]\] "

@@ -9,6 +9,7 @@ from lightning_multids._config import (
     DEEPSPEED_ZERO3,
     FROZEN_ZERO3,
     apply_precision,
+    check_accumulation_dtype,
     engine_config,
     frozen_config,
     load_config,
@@ -94,22 +95,22 @@ def test_accumulation_in_deepspeed_config_is_refused_with_the_lightning_fix() ->
 
 
 @pytest.mark.parametrize(
-    ("precision", "accumulated", "fix"),
-    [("bf16-mixed", "fp32", r"give the engine ZeRO-1 .* or remove"), ("32-true", "bf16", r"in bf16: remove")],
+    ("section", "accumulated", "weights"),
+    [("bf16", "fp32", "bf16"), ("bfloat16", "fp32", "bf16"), (None, "bf16", "fp32")],
 )
 def test_an_accumulation_dtype_zero0_cannot_run_is_refused_with_the_engine(
-    precision: str, accumulated: str, fix: str
+    section: str | None, accumulated: str, weights: str
 ) -> None:
     """DeepSpeed would raise ``NotImplementedError("unsupported mix ...")`` from ``deepspeed.initialize``."""
-    override = {"data_types": {"grad_accum_dtype": accumulated}}
-    with pytest.raises(
-        ValueError, match=rf"engine 'student' sets `data_types.grad_accum_dtype: '{accumulated}'`.*{fix}"
-    ):
-        engine_config("student", stage=0, default={}, override=override, precision=precision)
-    for stage in (1, 2):  # what ZeRO runs, and the weights' own dtype at ZeRO-0, pass
-        engine_config("student", stage=stage, default={}, override=override, precision=precision)
-    same = {"data_types": {"grad_accum_dtype": "bfloat16" if precision == "bf16-mixed" else "float32"}}
-    engine_config("student", stage=0, default={}, override=same, precision=precision)
+    config = {"zero_optimization": {"stage": 0}, "data_types": {"grad_accum_dtype": accumulated}}
+    config |= {section: {"enabled": True}} if section else {}
+    refused = rf"engine 'student' sets `data_types.grad_accum_dtype: '{accumulated}'` with {weights} weights at ZeRO-0"
+    with pytest.raises(ValueError, match=rf"{refused}.*ZeRO-1 or higher"):
+        check_accumulation_dtype(config, "the engine 'student'")
+    for stage in (1, 2, 3):  # what ZeRO runs passes, as do the weights' own dtype and no section
+        check_accumulation_dtype({**config, "zero_optimization": {"stage": stage}}, "the engine 'student'")
+    check_accumulation_dtype({**config, "data_types": {"grad_accum_dtype": weights}}, "the engine 'student'")
+    check_accumulation_dtype({**config, "data_types": None}, "the engine 'student'")
 
 
 def test_unsupported_precision_lists_the_supported_ones() -> None:

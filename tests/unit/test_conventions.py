@@ -161,12 +161,15 @@ def test_a_failure_is_logged_with_its_rank(caplog: pytest.LogCaptureFixture) -> 
     ("error", "peer"),
     [
         (RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"), True),
-        (torch.distributed.DistBackendError("NCCL communicator was aborted"), True),
+        (torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error"), True),
         (RuntimeError("[enforce fail at ../gloo/allreduce.cc] mismatched sizes in a gloo all_reduce"), False),
+        (torch.distributed.DistBackendError("NCCL error: invalid usage"), False),
+        (torch.distributed.DistNetworkError("The server socket has failed to listen: EADDRINUSE"), False),
+        (RuntimeError("write to the log: Broken pipe"), False),
         (ValueError("Connection closed by peer"), False),
     ],
 )
 def test_only_a_lost_peer_is_reported_as_another_rank_failing(error: BaseException, peer: bool) -> None:
-    """By type where torch gives one (``DistError``); gloo's plain RuntimeError by its transport's text alone."""
+    """No type tells a lost peer (``DistError`` also covers misuse and a port in use): the words of a lost peer do."""
     MultiDeepSpeedStrategy().on_exception(error)
     assert error.lightning_multids_peer_failed is peer  # type: ignore[attr-defined]
