@@ -15,8 +15,9 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
-from examples.digits import IMAGE, DigitsDataModule
+from examples.digits import IMAGE, digits_split
 from lightning_multids import MultiDeepSpeedStrategy
 
 
@@ -91,6 +92,13 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs
 # The README's snippet ends here, but for the data (`datamodule=...` there).
 
 
+class Digits(pl.LightningDataModule):
+    """The training digits as ``(image, label)`` batches of 8 per process (no validation: the snippet has none)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(digits_split()["train"], batch_size=8, shuffle=True, drop_last=True)
+
+
 class Report(pl.Callback):
     """Prints each engine's ZeRO stage (they exist during fit) and the last losses, on rank 0."""
 
@@ -103,7 +111,7 @@ class Report(pl.Callback):
 
 def main() -> None:
     trainer.callbacks.append(Report())
-    trainer.fit(GAN(), datamodule=DigitsDataModule())
+    trainer.fit(GAN(), datamodule=Digits())
 
 
 if __name__ == "__main__":
