@@ -17,7 +17,6 @@ more likely than the other (``prefers``).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 import lightning.pytorch as pl
@@ -33,7 +32,7 @@ from examples.lm_distill import (
     require_checkpoint,
     with_lora,
 )
-from examples.text import Split, blocks, corpus, gpt2, held_out_module
+from examples.text import Split, blocks, check_split, corpus, gpt2
 
 Rejected = Literal["other", "shuffled"]
 """How a pair's rejected response is made (:func:`preference_pairs`)."""
@@ -198,7 +197,7 @@ class PreferenceDataModule(pl.LightningDataModule):
         split: Split = "files",
     ) -> None:
         super().__init__()
-        held_out_module(0, Path("x.py"), split)  # an unknown split fails here, before the ranks start
+        check_split(split)  # an unknown split fails here, before the ranks start
         self.prompt, self.response = prompt, response
         self.batch_size = batch_size
         self.val_pairs = val_pairs

@@ -51,15 +51,20 @@ def docstrings(path: Path) -> list[str]:
     return [text for text in texts if text and len(text) > 40]
 
 
+def check_split(split: str) -> None:
+    """Raise ``ValueError`` naming the splits there are, unless ``split`` is one of them."""
+    if split not in ("files", "names"):
+        raise ValueError(f"Unknown split {split!r}: use 'files' (every tenth file) or 'names' (by module name).")
+
+
 def held_out_module(index: int, path: Path, split: Split) -> bool | None:
     """Whether file number ``index`` (in sorted order) is held out under ``split``; None where ``split`` drops it."""
+    check_split(split)
     if split == "files":
         return index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1
-    if split == "names":
-        if path.stem.startswith("_"):
-            return None
-        return zlib.crc32(path.stem.encode()) % HELD_OUT_EVERY == 0
-    raise ValueError(f"Unknown split {split!r}: use 'files' (every tenth file) or 'names' (by module name).")
+    if path.stem.startswith("_"):
+        return None
+    return zlib.crc32(path.stem.encode()) % HELD_OUT_EVERY == 0
 
 
 @cache
@@ -135,7 +140,7 @@ class TextDataModule(pl.LightningDataModule):
 
     def __init__(self, block_size: int = 64, batch_size: int = 32, val_blocks: int = 512, split: Split = "files"):
         super().__init__()
-        held_out_module(0, Path("x.py"), split)  # an unknown split fails here, before the ranks start
+        check_split(split)  # an unknown split fails here, before the ranks start
         self.block_size = block_size
         self.batch_size = batch_size
         self.val_blocks = val_blocks

@@ -251,7 +251,7 @@ def check_accumulation_dtype(config: Mapping[str, Any], what: str) -> None:
     never reaches that check.
     """
     wanted = (config.get("data_types") or {}).get("grad_accum_dtype")
-    if wanted is None or (config.get("zero_optimization") or {}).get("stage", 0) != 0:
+    if wanted is None or zero_stage(config) != 0:
         return
     enabled = [key for key in ("fp16", "bf16", "bfloat16") if (config.get(key) or {}).get("enabled")]
     weights = {"fp16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}[enabled[0]] if enabled else "fp32"
