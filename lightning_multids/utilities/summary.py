@@ -57,18 +57,19 @@ def checkpoint_lines(callback: ModelCheckpoint) -> dict[str, str]:
     """
     best = callback.best_model_path if callback.monitor else ""
     last = callback.last_model_path
-    checkpoint = best or last or callback.best_model_path
-    if not checkpoint:
+    path = best or last or callback.best_model_path
+    if not path:
         return {}
+    checkpoint = shown(path)
     entries = {}
     if best and callback.best_model_score is not None:
-        entries[f"Best checkpoint ({callback.monitor})"] = f"{shown(best)} ({float(callback.best_model_score):.4g})"
+        entries[f"Best checkpoint ({callback.monitor})"] = f"{checkpoint} ({float(callback.best_model_score):.4g})"
         if last and last != best:
             entries["Last checkpoint"] = shown(last)
     else:
-        entries["Checkpoint"] = shown(checkpoint)
-    exported = Path(shown(checkpoint)).parent / "exported"
-    entries["Export weights"] = f"{command('lightning-multids')} export {shown(checkpoint)} {exported}"
+        entries["Checkpoint"] = checkpoint
+    exported = Path(checkpoint).parent / "exported"
+    entries["Export weights"] = f"{command('lightning-multids')} export {checkpoint} {exported}"
     return entries
 
 
