@@ -31,12 +31,16 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = re.compile(r"Held-out perplexity: (?P<figures>.*) \(per byte\)")
 
 
-def run(folder: Path, config: str, args: list[str]) -> dict[str, float]:
-    """Run ``lightning-multids fit --config configs/CONFIG ARGS`` in ``folder``; the held-out perplexities it prints."""
+def run(folder: Path, config: str, args: list[str], after: list[str] | None = None) -> dict[str, float]:
+    """Run ``lightning-multids fit --config configs/CONFIG ARGS`` in ``folder``; the held-out perplexities it prints.
+
+    Figures saved for the same ``args`` (and the same ``after``: the arguments of the run it builds on) stand.
+    """
     done = folder / "figures.json"
+    key = [*args, *(["after:", *after] if after else [])]
     if done.exists():
         cached = json.loads(done.read_text())
-        if cached.pop("args", None) == args:  # the same run: its figures stand (else it runs again, afresh)
+        if cached.pop("args", None) == key:  # the same run: its figures stand (else it runs again, afresh)
             return cached
         shutil.rmtree(folder / "outputs", ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
@@ -53,7 +57,7 @@ def run(folder: Path, config: str, args: list[str]) -> dict[str, float]:
     parts = [part.split() for part in match["figures"].split(", ")]  # "6.875", or "teacher 6.9, student 8.8, ..."
     figures = {part[0] if len(part) == 2 else "perplexity": float(part[-1]) for part in parts}
     figures["seconds"] = round(time.monotonic() - start)
-    done.write_text(json.dumps({**figures, "args": args}))
+    done.write_text(json.dumps({**figures, "args": key}))
     return figures
 
 
@@ -75,13 +79,15 @@ def main() -> None:
     for split in args.splits:
         data = [f"--data.init_args.split={split}"]
         epochs = [f"--trainer.max_epochs={args.teacher_epochs}"] if args.teacher_epochs else []
-        teacher = run(out / split / "teacher", "lm_distill_teacher.yaml", [*data, *epochs])
+        teacher_args = [*data, *epochs]
+        teacher = run(out / split / "teacher", "lm_distill_teacher.yaml", teacher_args)
         checkpoint = out / split / "teacher" / "outputs" / "lm" / "teacher" / "checkpoints" / "teacher.ckpt"
         students = {}
         for seed in args.seeds:
             student_args = [*data, f"--seed_everything={seed}", f"--model.init_args.teacher_checkpoint={checkpoint}"]
             student_args += [f"--trainer.max_epochs={args.student_epochs}"] if args.student_epochs else []
-            students[seed] = run(out / split / f"seed{seed}", "lm_distill.yaml", [*student_args, *args.student_args])
+            folder = out / split / f"seed{seed}"
+            students[seed] = run(folder, "lm_distill.yaml", [*student_args, *args.student_args], after=teacher_args)
             print(f"{split} seed {seed}: {students[seed]}", flush=True)
         results[split] = {"teacher": teacher, "students": students}
     settings = {"teacher_epochs": args.teacher_epochs, "student_epochs": args.student_epochs}
