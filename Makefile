@@ -188,8 +188,8 @@ bench-gradcache: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 3 --out outputs/bench/gradcache_zero3.json
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lightning_multids tests examples benchmarks
-	$(VENV)/bin/ruff format --check lightning_multids tests examples benchmarks
+	$(VENV)/bin/ruff check lightning_multids lightning_multids_cli.py tests examples benchmarks
+	$(VENV)/bin/ruff format --check lightning_multids lightning_multids_cli.py tests examples benchmarks
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import lightning_multids_cli
 from lightning_multids._environment import keep_extensions_in_environment
 from lightning_multids.cli import main, newest_last_checkpoint
 from lightning_multids.utilities.summary import command, shown
@@ -220,11 +221,37 @@ def test_a_distillation_module_builds_without_its_teacher_only_when_told() -> No
     Distillation(None, [8], [4]).setup("fit")  # the teacher keeps its initial weights
 
 
-def test_the_commands_help_lists_export_beside_lightnings_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_commands_help_lists_lightnings_subcommands_and_export(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
     with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
+        lightning_multids_cli.main(["--help"])
     assert exit_info.value.code == 0
-    shown = " ".join(capsys.readouterr().out.split())
-    assert "{fit,validate,test,predict}" in shown
-    assert "Also: `export CKPT OUT` writes each engine's weights" in shown
-    assert "(lightning-multids export --help)" in shown
+    listed = [line.split()[0] for line in capsys.readouterr().out.split("subcommands")[1].splitlines()[1:] if line]
+    assert listed[: listed.index("export") + 1] == [*LightningCLI.subcommands(), "export"]
+
+
+def test_the_commands_help_imports_neither_torch_nor_lightning_nor_deepspeed() -> None:
+    code = (
+        "import sys, lightning_multids_cli\n"
+        "try:\n    lightning_multids_cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted({'torch', 'lightning', 'deepspeed'} & {name.split('.')[0] for name in sys.modules}))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert run.stdout.splitlines()[-1] == "[]"
+
+
+def test_the_command_without_a_subcommand_shows_the_overview_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        lightning_multids_cli.main([])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "usage: lightning-multids" in error and error.endswith("error: give a subcommand\n")
+
+
+def test_a_subcommand_and_its_help_run_the_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    passed: list[list[str]] = []
+    monkeypatch.setattr("lightning_multids.cli.main", passed.append)
+    for args in (["fit", "--help"], ["export", "a", "b"], ["-c", "x.yaml", "fit"]):
+        lightning_multids_cli.main(args)
+    assert passed == [["fit", "--help"], ["export", "a", "b"], ["-c", "x.yaml", "fit"]]
