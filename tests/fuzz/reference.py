@@ -185,11 +185,12 @@ def move_towards(average: nn.Module, source: nn.Module, weight: float) -> None:
             mine.copy_(theirs)
 
 
-def train(case: Case) -> tuple[Result, ReferenceBackend]:
-    """Train ``case`` in plain PyTorch; raise :class:`InvalidCase` where it cannot be a fuzz case."""
-    modules = program.make_modules(case)
+def train(case: Case, dtype: torch.dtype = torch.float32) -> tuple[Result, ReferenceBackend]:
+    """Train ``case`` in plain PyTorch, weights and data in ``dtype``; raise :class:`InvalidCase` where it cannot be
+    a fuzz case."""
+    modules = {name: module.to(dtype) for name, module in program.make_modules(case).items()}
     backend = ReferenceBackend(case, modules)
-    data = program.make_data(case)
+    data = program.make_data(case).to(dtype)
     for step in range(case.steps):
         if case.resume is not None and step == case.resume.at:
             for name in case.trained:
@@ -204,8 +205,8 @@ def train(case: Case) -> tuple[Result, ReferenceBackend]:
     return Result(weights(modules), backend.reads), backend
 
 
-def reference(case: Case) -> Result:
-    return train(case)[0]
+def reference(case: Case, dtype: torch.dtype = torch.float32) -> Result:
+    return train(case, dtype)[0]
 
 
 def supported(case: Case) -> bool:

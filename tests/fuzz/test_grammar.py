@@ -87,6 +87,25 @@ def test_the_comparison_flags_a_gradient_off_by_a_factor() -> None:
         assert result.kind == "mismatch" and result.worst > 1.0, result
 
 
+def test_a_bf16_mismatch_says_how_far_plain_pytorch_in_bf16_lands() -> None:
+    """A bf16 mismatch notes plain bf16's own distance from fp32; the verdict, and fp32 outcomes, stay as they were."""
+    case = reference.resolve(gan_case())
+    assert case is not None
+    case.read_before_step = True
+    right = expected(case)
+    doubled = copy.deepcopy(case)
+    doubled.phases[1].terms[0].weight = 2.0
+    in_bf16 = reference.reference(case, torch.bfloat16)
+    case.precision = "bf16-mixed"
+    noise = outcome.compare(case, right, as_ranks(in_bf16)).worst  # bf16's rounding: above 0, within the tolerance
+    found = outcome.with_bf16_noise(outcome.compare(case, right, as_ranks(expected(doubled))), case, right, in_bf16)
+    assert 0.0 < noise <= 1.0 and found.kind == "mismatch"
+    assert f" (plain PyTorch in bf16: {noise:.2f} of the tolerance, at " in found.detail, found.detail
+    case.precision = "32-true"
+    unchanged = outcome.compare(case, right, as_ranks(expected(doubled)))
+    assert outcome.with_bf16_noise(copy.deepcopy(unchanged), case, right, in_bf16) == unchanged
+
+
 def test_the_comparison_flags_a_missing_hook_read() -> None:
     case = gan_case()
     case.read_before_step = True
