@@ -48,9 +48,9 @@ def collect(cases: list[Case], root: Path, timed_out: bool) -> list[Outcome]:
             ranks = [torch.load(path, weights_only=False) for path in results]
             expected = reference.reference(case)
             found = outcome.compare(case, expected, ranks)
-            if found.kind == "mismatch" and case.precision == "bf16-mixed":
-                with contextlib.suppress(reference.InvalidCase):  # plain PyTorch in bf16 could not run it
-                    found = outcome.with_bf16_noise(found, case, expected, reference.reference(case, torch.bfloat16))
+            if found.kind == "mismatch":
+                with contextlib.suppress(reference.InvalidCase):  # plain PyTorch could not run it so
+                    found = outcome.with_rounding_noise(found, case, expected, *reference.rounding_noise(case))
             outcomes.append(found)
             continue
         errors = [root / f"{index}.rank{rank}.error.json" for rank in range(WORLD_SIZE)]

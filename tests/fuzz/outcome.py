@@ -61,8 +61,8 @@ reference runs in fp32: weights within 3e-2, the suite's bf16 tolerance (``test_
 their (possibly cancelling) sum, so a gradient is compared within 3% of its tensor's largest element (+1e-3):
 plain PyTorch in bf16 (weights, forward and backward) stays within 0.5% of fp32 on most fuzz cases, and so the
 strategy must too, with a sixfold margin. Not on all: a gradient penalty's second backward, or Adam's first
-steps on a gradient near zero, can take plain bf16 itself past the tolerance; a bf16 mismatch says how far
-(:func:`with_bf16_noise`). Weights under Adam hide a wrong gradient (Adam normalizes it); the
+steps on a gradient near zero, can take plain bf16 itself past the tolerance; a mismatch says how far rounding alone
+goes on its case (:func:`with_rounding_noise`). Weights under Adam hide a wrong gradient (Adam normalizes it); the
 gradient reads do not.
 """
 
@@ -136,21 +136,22 @@ def compare(case: Case, expected: Result, ranks: list[dict[str, Any]]) -> Outcom
     return Outcome(kind, detail=detail if kind == "mismatch" else "", worst=worst, seconds=seconds)
 
 
-def with_bf16_noise(found: Outcome, case: Case, expected: Result, in_bf16: Result) -> Outcome:
-    """A bf16 mismatch, its detail extended with how far plain PyTorch in bf16 lands from the fp32 reference.
+def with_rounding_noise(found: Outcome, case: Case, expected: Result, noise: Result, how: str) -> Outcome:
+    """A mismatch, its detail extended with how far ``noise`` (:func:`~tests.fuzz.reference.rounding_noise`, found
+    ``how``) lands from the reference: the case's own noise floor.
 
-    The verdict stays: the note only shows whether bf16's rounding alone comes near the tolerance on this case
-    (a gradient penalty or Adam's first steps on a near-zero gradient can take it past), for the reader to judge.
+    The verdict stays. The note shows whether rounding alone comes near the tolerance on this case (a gradient
+    penalty that makes the weights grow, Adam's first steps on a gradient near zero, bf16), for the reader to judge.
     """
-    if found.kind != "mismatch" or case.precision != "bf16-mixed":
+    if found.kind != "mismatch":
         return found
-    weights = {key: value.float() for key, value in in_bf16.weights.items()}
+    weights = {key: value.float() for key, value in noise.weights.items()}
     reads = [read.to_dict() for read in expected.reads]
     worst, where = max(
         compare_weights(weights, expected.weights, case.precision),
-        compare_reads([read.to_dict() for read in in_bf16.reads], reads, case.precision),
+        compare_reads([read.to_dict() for read in noise.reads], reads, case.precision),
     )
-    found.detail += f" (plain PyTorch in bf16: {worst:.2f} of the tolerance, at {where})"
+    found.detail += f" ({how}: {worst:.2f} of the tolerance, at {where})"
     return found
 
 

@@ -185,10 +185,12 @@ def move_towards(average: nn.Module, source: nn.Module, weight: float) -> None:
             mine.copy_(theirs)
 
 
-def train(case: Case, dtype: torch.dtype = torch.float32) -> tuple[Result, ReferenceBackend]:
-    """Train ``case`` in plain PyTorch, weights and data in ``dtype``; raise :class:`InvalidCase` where it cannot be
-    a fuzz case."""
+def train(case: Case, dtype: torch.dtype = torch.float32, nudged: bool = False) -> tuple[Result, ReferenceBackend]:
+    """Train ``case`` in plain PyTorch, weights and data in ``dtype``, each initial weight moved by one ulp up or
+    down if ``nudged``; raise :class:`InvalidCase` where it cannot be a fuzz case."""
     modules = {name: module.to(dtype) for name, module in program.make_modules(case).items()}
+    if nudged:
+        nudge(modules, case.seed)
     backend = ReferenceBackend(case, modules)
     data = program.make_data(case).to(dtype)
     for step in range(case.steps):
@@ -207,6 +209,25 @@ def train(case: Case, dtype: torch.dtype = torch.float32) -> tuple[Result, Refer
 
 def reference(case: Case, dtype: torch.dtype = torch.float32) -> Result:
     return train(case, dtype)[0]
+
+
+def rounding_noise(case: Case) -> tuple[Result, str]:
+    """What rounding alone does to ``case`` in plain PyTorch, and how it was found: trained in bf16 for a bf16 case,
+    else in fp32 from initial weights one ulp away. Its distance from :func:`reference` is the case's noise floor."""
+    if case.precision == "bf16-mixed":
+        return train(case, torch.bfloat16)[0], "plain PyTorch in bf16"
+    return train(case, nudged=True)[0], "plain PyTorch from initial weights one ulp away"
+
+
+def nudge(modules: dict[str, nn.Module], seed: int) -> None:
+    """Move every weight by one ulp, up or down at random (``seed``)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in modules.values():
+            for param in module.parameters():
+                up = torch.rand(param.shape, generator=generator) < 0.5
+                towards = torch.where(up, torch.inf, -torch.inf).to(param.dtype)
+                param.copy_(torch.nextafter(param, towards))
 
 
 def supported(case: Case) -> bool:

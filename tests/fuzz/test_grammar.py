@@ -87,23 +87,31 @@ def test_the_comparison_flags_a_gradient_off_by_a_factor() -> None:
         assert result.kind == "mismatch" and result.worst > 1.0, result
 
 
-def test_a_bf16_mismatch_says_how_far_plain_pytorch_in_bf16_lands() -> None:
-    """A bf16 mismatch notes plain bf16's own distance from fp32; the verdict, and fp32 outcomes, stay as they were."""
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_mismatch_says_how_far_rounding_alone_moves_plain_pytorch(precision: str) -> None:
+    """The note: plain PyTorch in bf16, or from weights one ulp away, against the reference; the verdict stays."""
     case = reference.resolve(gan_case())
     assert case is not None
-    case.read_before_step = True
+    case.read_before_step, case.precision = True, precision
     right = expected(case)
     doubled = copy.deepcopy(case)
     doubled.phases[1].terms[0].weight = 2.0
-    in_bf16 = reference.reference(case, torch.bfloat16)
-    case.precision = "bf16-mixed"
-    noise = outcome.compare(case, right, as_ranks(in_bf16)).worst  # bf16's rounding: above 0, within the tolerance
-    found = outcome.with_bf16_noise(outcome.compare(case, right, as_ranks(expected(doubled))), case, right, in_bf16)
-    assert 0.0 < noise <= 1.0 and found.kind == "mismatch"
-    assert f" (plain PyTorch in bf16: {noise:.2f} of the tolerance, at " in found.detail, found.detail
-    case.precision = "32-true"
-    unchanged = outcome.compare(case, right, as_ranks(expected(doubled)))
-    assert outcome.with_bf16_noise(copy.deepcopy(unchanged), case, right, in_bf16) == unchanged
+    noise, how = reference.rounding_noise(case)
+    assert (
+        how
+        == {"32-true": "plain PyTorch from initial weights one ulp away", "bf16-mixed": "plain PyTorch in bf16"}[
+            precision
+        ]
+    )
+    assert any(not torch.equal(noise.weights[key], right.weights[key]) for key in right.weights)
+    floor = outcome.compare(case, right, as_ranks(noise)).worst  # rounding alone: within the tolerance here
+    found = outcome.with_rounding_noise(
+        outcome.compare(case, right, as_ranks(expected(doubled))), case, right, noise, how
+    )
+    assert 0.0 < floor <= 1.0 and found.kind == "mismatch"
+    assert f" ({how}: {floor:.2f} of the tolerance, at " in found.detail, found.detail
+    matched = outcome.compare(case, right, as_ranks(right))
+    assert outcome.with_rounding_noise(copy.deepcopy(matched), case, right, noise, how) == matched
 
 
 def test_the_comparison_flags_a_missing_hook_read() -> None:
