@@ -7,7 +7,6 @@ between, the strategy's hooks call it: a backward (:meth:`EngineSet.backward`), 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -239,37 +238,15 @@ class EngineSet:
         with self.router.routed(loss, trainable, reach, factors) as route:
             try:
                 yield loss * scale if scale != 1.0 else loss
-            except BaseException as error:
+            except BaseException:
                 self._mark_gradients(route.entered, False)  # routed() drops them
                 self._release_frozen_leftovers()
-                self._explain_released_weights(error)
                 raise
         self._release_frozen_leftovers()
         if not route.entered and route.ran:  # no backward ran (a skipping `backward` override): no gradients, as DDP
             self._refuse_untrained()
         self.backward_calls += 1
         self._mark_gradients(route.entered, True)
-
-    def _explain_released_weights(self, error: BaseException) -> None:
-        """Raise an error that names the cause when a backward met a ZeRO-3 weight already partitioned again.
-
-        A gradient penalty (``torch.autograd.grad(..., create_graph=True)``) records a second backward that uses
-        the weights themselves; ZeRO-3 gathers weights only around its submodules' own forward and backward, so
-        when that second backward runs they are partitioned (empty) and torch fails on their shape. The penalty's
-        own backward is refused where it reaches a ZeRO-3 engine's output (``_lifecycle._refuse_second_order``), a
-        check of state; this reading of torch's message is left only for what that check cannot see: a child of
-        the engine's module called on its own.
-        """
-        zero3 = sorted(name for name, engine in self.engines.items() if engine.zero_optimization_stage() == 3)
-        if not zero3 or not isinstance(error, RuntimeError) or not _RELEASED_WEIGHT.search(str(error)):
-            return
-        raise RuntimeError(
-            f"The backward met a partitioned ZeRO-3 weight ({error}). This happens when the loss holds a gradient "
-            f"penalty (`torch.autograd.grad(..., create_graph=True)`) through a ZeRO-3 engine ({', '.join(zero3)}): "
-            "ZeRO-3 gathers an engine's weights only around its own forward and backward, not for the penalty's "
-            "second backward. Give the engines the penalty runs through ZeRO-0/1/2 (`engine_configs={name: "
-            '{"zero_optimization": {"stage": 2}}}`).'
-        ) from error
 
     def _mark_gradients(self, names: Collection[str], present: bool) -> None:
         for name in names:
@@ -337,11 +314,6 @@ class EngineSet:
                 "manual optimization: in `training_step`, call `self.manual_backward(loss)` and then `opt.step()` "
                 "and `opt.zero_grad()` for each optimizer from `self.optimizers()`."
             )
-
-
-_RELEASED_WEIGHT = re.compile(r"mat2 must be a matrix|expected shape compatible with \[0\]")
-"""How torch reports a ZeRO-3 weight partitioned to an empty tensor where a matrix product or its gradient needs it
-whole (seen with torch 2.11-2.13); narrow, so that an unrelated error keeps its own message."""
 
 
 def _several_ranks() -> bool:

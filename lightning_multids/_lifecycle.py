@@ -237,8 +237,39 @@ def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
             for module in engine.module.modules()
             if any(True for _ in module.parameters(recurse=False))
         ]
-        handles.append(engine.module.register_forward_hook(_refuse_second_order(name)))
+        refuse = _refuse_second_order(name)
+        handles.append(engine.module.register_forward_hook(refuse))
+        handles += _when_called_alone(engine.module, refuse)
     return handles
+
+
+def _when_called_alone(module: nn.Module, hook: Callable[..., None]) -> list[RemovableHandle]:
+    """Run forward hook ``hook`` after a submodule of ``module`` with weights of its own is called on its own.
+
+    During ``module``'s own forward a submodule's hook returns at once: one Python call per submodule and forward,
+    beside the two that ZeRO-3 itself runs around each submodule.
+    """
+    running = [0]
+
+    def enter(module: nn.Module, args: Any) -> None:
+        running[0] += 1
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:  # also after an error, even one before `enter`
+        running[0] = max(running[0] - 1, 0)
+
+    def alone(child: nn.Module, args: Any, output: Any) -> None:
+        if not running[0]:
+            hook(child, args, output)
+
+    handles = [
+        module.register_forward_pre_hook(enter, prepend=True),
+        module.register_forward_hook(leave, always_call=True),
+    ]
+    return handles + [
+        child.register_forward_hook(alone)
+        for child in module.modules()
+        if child is not module and any(True for _ in child.parameters(recurse=False))
+    ]
 
 
 def _refuse_second_order(name: str) -> Callable[..., None]:
@@ -249,8 +280,8 @@ def _refuse_second_order(name: str) -> Callable[..., None]:
     partitions them (empties them) right after, so the second backward would meet empty weights. The check is the
     state of a backward that enters the engine's graph (a pre-hook of its output's node, which runs only where the
     gradient goes on into the engine, not where the output is itself the ``inputs`` of ``autograd.grad``), with
-    grad mode on (``create_graph``) or off: one hook per call with a gradient. (A child of the engine's module
-    called on its own is not seen here.)
+    grad mode on (``create_graph``) or off: one hook per call with a gradient. The same hook runs after a child of
+    the engine's module called on its own (:func:`_when_called_alone`): a penalty through ``D.features(x)``.
     """
 
     def check(grads: tuple[torch.Tensor | None, ...]) -> None:
