@@ -9,7 +9,7 @@ from deepspeed import DeepSpeedEngine
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
-from lightning_multids._compat.torch import foreach_norms
+from lightning_multids._compat.torch import any_nonfinite
 
 
 class NonFiniteGradients(FloatingPointError):
@@ -32,13 +32,8 @@ def skip_nonfinite_steps(engine: DeepSpeedEngine) -> RemovableHandle | None:
 
 
 def _refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    # The L2 norm of all gradients, as `clip_grad_norm_` computes it: the norm of each in fp32 (one fused kernel per
-    # device and dtype on a GPU, one C++ loop on a CPU), the norm of those, and one read of the result. A
-    # NaN or inf anywhere makes it non-finite; so would finite values past about 1e19, whose squares overflow (no real
-    # gradient is that large). DeepSpeed's own check at bf16 stage 0 (the overflow check of `FP16_Optimizer` over
-    # bf16 weights, read to decide) costs the same read.
+    # GradScaler's fused check, values left as they are, and one read (a device sync on a GPU): the same read that
+    # DeepSpeed's own check makes at bf16 stage 0 (the overflow check of `FP16_Optimizer` over bf16 weights).
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return
-    if not torch.isfinite(torch.linalg.vector_norm(torch.stack(foreach_norms(grads)))):
+    if grads and any_nonfinite(grads):
         raise NonFiniteGradients

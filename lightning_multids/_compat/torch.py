@@ -157,14 +157,22 @@ def step_post_hooks(optimizer: torch.optim.Optimizer) -> list[Callable[..., None
     return [*optimizer._optimizer_step_post_hooks.values(), *_optimizer._global_optimizer_post_hooks.values()]
 
 
-def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, in fp32, in one call (``torch._foreach_norm``).
+def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
+    """Whether a NaN or inf is in ``tensors``: one read per device.
 
-    One fused kernel per device and dtype on a GPU, one C++ loop on a CPU (where ``torch.nn.utils.get_total_norm``
-    loops in Python instead). In fp32 whatever the tensors' dtype: an fp16 tensor's norm passes 65504 long before
-    its elements do.
+    ``GradScaler``'s fused check (``torch._amp_foreach_non_finite_check_and_unscale_``) with a scale of 1, which
+    leaves the values as they are: one multi-tensor kernel per device on a GPU, one C++ loop on a CPU (about 0.2 µs
+    a tensor, against 1.3 µs for ``torch._foreach_norm``, the check before). Mixed dtypes pass on either.
     """
-    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    found = False
+    for device, group in by_device.items():
+        flag = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, torch.ones(1, device=device))
+        found = found or bool(flag)
+    return found
 
 
 def is_compiled(module: torch.nn.Module) -> bool:

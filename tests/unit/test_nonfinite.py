@@ -17,15 +17,17 @@ def test_a_step_with_a_nonfinite_gradient_is_refused_before_it_updates(bad: floa
     handle = skip_nonfinite_steps(SimpleNamespace(optimizer=optimizer, fp16_enabled=lambda: False))  # type: ignore[arg-type]
     assert handle is not None
     for param in params[:2]:
-        param.grad = torch.full((4,), 1e15)  # large but finite: applied (the check's norm overflows past ~1e19)
+        param.grad = torch.full((4,), 1e20)  # large but finite, its square past fp32's range: applied
     optimizer.step()
-    assert params[0].data.eq(1 - 1e14).all()
+    assert params[0].data.eq(1 - 1e19).all()
 
-    params[2].grad = torch.tensor([0.0, bad, 0.0, 0.0])
+    params[2].grad = torch.tensor([-0.0, bad, 1e-45, 3.0])  # -0 and a subnormal: kept bit for bit by the check
     before = [p.detach().clone() for p in params]
+    grads = [p.grad.clone() for p in params]
     with pytest.raises(NonFiniteGradients):
         optimizer.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert all(torch.equal(p.grad.view(torch.int32), g.view(torch.int32)) for p, g in zip(params, grads, strict=True))
     handle.remove()
 
 
