@@ -350,15 +350,16 @@ class Router:
             entry = watched[name]
             entry.hold_late()
             entry.hold_again_if_replaced()
-            try:
-                executed = list(map(will_execute, entry.nodes))
+            partly = judged and entry.engine.zero_optimization_stage() > 0  # ZeRO-1 fills the unreached; 2/3 refuse
+            try:  # at ZeRO-0 one reached accumulator answers (DeepSpeed's reduction fills the rest itself)
+                executed = list(map(will_execute, entry.nodes)) if partly else [any(map(will_execute, entry.nodes))]
             except RuntimeError:  # under torch.autograd.grad: nothing is accumulated, nothing is reached
                 return []
             if not any(executed):
                 continue
             if name not in route.entered:
                 route.enter(name)
-            if judged and not all(executed):
+            if partly and not all(executed):
                 unreached = entry.unreached(executed)
                 if unreached:
                     route.unreached[name] = unreached
