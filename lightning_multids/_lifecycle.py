@@ -48,7 +48,7 @@ from lightning_multids._ema import Average, build_averager, check_averages
 from lightning_multids._engines import EngineSet
 from lightning_multids._planning import Plan, check_batch_settings, config_scheduler, plan_engines
 from lightning_multids._precision import autocast_off, cast_inputs, engine_dtype
-from lightning_multids._routing import Router, output_tensors
+from lightning_multids._routing import Router
 
 
 def build_engines(
@@ -237,71 +237,31 @@ def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
             for module in engine.module.modules()
             if any(True for _ in module.parameters(recurse=False))
         ]
-        refuse = _refuse_second_order(name)
-        handles.append(engine.module.register_forward_hook(refuse))
-        handles += _when_called_alone(engine.module, refuse)
+        ds_compat.refuse_second_order(engine, _refuse_second_order(name))
     return handles
 
 
-def _when_called_alone(module: nn.Module, hook: Callable[..., None]) -> list[RemovableHandle]:
-    """Run forward hook ``hook`` after a submodule of ``module`` with weights of its own is called on its own.
-
-    During ``module``'s own forward a submodule's hook returns at once: one Python call per submodule and forward,
-    beside the two that ZeRO-3 itself runs around each submodule.
-    """
-    running = [0]
-
-    def enter(module: nn.Module, args: Any) -> None:
-        running[0] += 1
-
-    def leave(module: nn.Module, args: Any, output: Any) -> None:  # also after an error, even one before `enter`
-        running[0] = max(running[0] - 1, 0)
-
-    def alone(child: nn.Module, args: Any, output: Any) -> None:
-        if not running[0]:
-            hook(child, args, output)
-
-    handles = [
-        module.register_forward_pre_hook(enter, prepend=True),
-        module.register_forward_hook(leave, always_call=True),
-    ]
-    return handles + [
-        child.register_forward_hook(alone)
-        for child in module.modules()
-        if child is not module and any(True for _ in child.parameters(recurse=False))
-    ]
-
-
-def _refuse_second_order(name: str) -> Callable[..., None]:
-    """A forward hook of ZeRO-3 engine ``name``'s module: a backward that records a graph through it is refused.
+def _refuse_second_order(name: str) -> Callable[[], None]:
+    """What a backward with ``create_graph=True`` into ZeRO-3 engine ``name`` meets (``ds_compat.refuse_second_order``).
 
     ``torch.autograd.grad(..., create_graph=True)`` (a gradient penalty) records, for a second backward, operations
     that use the engine's weights; ZeRO-3 gathers them only around the engine's own forward and backward and
-    partitions them (empties them) right after, so the second backward would meet empty weights. The check is the
-    state of a backward that enters the engine's graph (a pre-hook of its output's node, which runs only where the
-    gradient goes on into the engine, not where the output is itself the ``inputs`` of ``autograd.grad``), with
-    grad mode on (``create_graph``) or off: one hook per call with a gradient. The same hook runs after a child of
-    the engine's module called on its own (:func:`_when_called_alone`): a penalty through ``D.features(x)``.
+    partitions them (empties them) right after, so the second backward would meet empty weights. Refused as that
+    first backward enters any submodule of the engine, however the submodule was called. Where the gradient stops at
+    the engine's output (the output is itself the ``inputs`` of ``autograd.grad``), nothing enters the engine.
     """
 
-    def check(grads: tuple[torch.Tensor | None, ...]) -> None:
-        if torch.is_grad_enabled():
-            raise ValueError(
-                f"A backward with `create_graph=True` (a gradient penalty, `torch.autograd.grad(..., "
-                f"create_graph=True)`) runs through engine {name!r} (ZeRO-3): the graph it records for the second "
-                f"backward uses the weights of {name!r}, which ZeRO-3 partitions again (empties) as soon as this "
-                f"backward leaves the engine, so that second backward would fail or be wrong. Give {name!r}, and "
-                f"every engine the penalty runs through, ZeRO-0/1/2: `engine_configs={{{name!r}: "
-                '{"zero_optimization": {"stage": 2}}}`.'
-            )
+    def refuse() -> None:
+        raise ValueError(
+            f"A backward with `create_graph=True` (a gradient penalty, `torch.autograd.grad(..., "
+            f"create_graph=True)`) runs through engine {name!r} (ZeRO-3): the graph it records for the second "
+            f"backward uses the weights of {name!r}, which ZeRO-3 partitions again (empties) as soon as this "
+            f"backward leaves the engine, so that second backward would fail or be wrong. Give {name!r}, and "
+            f"every engine the penalty runs through, ZeRO-0/1/2: `engine_configs={{{name!r}: "
+            '{"zero_optimization": {"stage": 2}}}`.'
+        )
 
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
-            for tensor in output_tensors(output):
-                if tensor.grad_fn is not None:  # outputs of one node hook it twice: the first check decides
-                    tensor.grad_fn.register_prehook(check)
-
-    return hook
+    return refuse
 
 
 def _refuse_partitioned_load(name: str) -> Callable[..., None]:

@@ -82,7 +82,11 @@ _CLASS_METHODS: dict[type, tuple[str, ...]] = {
         "setup_buckets",
     ),
     DeepSpeedZeroOptimizer_Stage3: ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "_fp32_state_allgather"),
-    DeepSpeedZeRoOffload: ("_register_deepspeed_module", "release_backward_leftovers"),
+    DeepSpeedZeRoOffload: (
+        "_register_deepspeed_module",
+        "release_backward_leftovers",
+        "pre_sub_module_backward_function",
+    ),
 }
 _ENGINE_ATTRIBUTES = (
     "_running_engine_backward_lock",
@@ -874,6 +878,27 @@ def release_after_backward(engine: DeepSpeedEngine) -> None:
     _zero3_offload(engine).release_backward_leftovers()
 
 
+def refuse_second_order(engine: DeepSpeedEngine, refuse: Callable[[], None]) -> None:
+    """Call ``refuse()`` where a backward with grad mode on (``create_graph=True``) is about to gather a submodule.
+
+    ZeRO-3 gathers a submodule's weights at the start of its backward: every forward of every submodule wraps its
+    outputs in an autograd Function whose backward calls ``DeepSpeedZeRoOffload.pre_sub_module_backward_function``,
+    looked up on the instance at each call (0.19.8: ``_register_deepspeed_module``). Set on the instance, the check
+    sees every backward into every submodule, however it was called: the engine's forward, a submodule on its own, a
+    penalty computed inside the forward. Grad mode inside a backward is its ``create_graph``. One Python call per
+    submodule and backward; :func:`release_engine` takes it off with the engine.
+    """
+    offload = _zero3_offload(engine)
+    gather = offload.pre_sub_module_backward_function
+
+    def checked(sub_module: torch.nn.Module) -> None:
+        if torch.is_grad_enabled():
+            refuse()
+        gather(sub_module)
+
+    offload.pre_sub_module_backward_function = checked  # type: ignore[method-assign]
+
+
 def suspend_zero3_hooks(engine: DeepSpeedEngine) -> Callable[[], None]:
     """Take ZeRO-3's per-submodule gather/release hooks off the engine's module; return what puts them back.
 
@@ -905,6 +930,8 @@ def release_engine(engine: DeepSpeedEngine) -> None:
     module (``module_forward_pre_hook``/``_post_hook``) nor each ZeRO-3 parameter's ``_z3_optimizer`` link.
     """
     engine.destroy()
+    if engine.zero_optimization_partition_weights():  # refuse_second_order's check
+        _zero3_offload(engine).__dict__.pop("pre_sub_module_backward_function", None)
     for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):
         if handle is not None:
             handle.remove()

@@ -164,6 +164,24 @@ def penalty_through_a_child(module: GAN, batch: torch.Tensor) -> None:
     module.manual_backward((grad.pow(2).sum(1) - 1).pow(2).mean() + module.discriminator(real).mean())
 
 
+def penalty_inside_the_forward(module: GAN, batch: torch.Tensor) -> None:
+    """The penalty computed during the discriminator's own forward (an R1 penalty its `forward` returns)."""
+    real, _ = patterns.split(batch)
+    real = real.clone().requires_grad_()
+    penalties = []
+
+    def penalty(layer: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        (grad,) = torch.autograd.grad(output.sum(), real, create_graph=True)
+        penalties.append(grad.pow(2).mean())
+
+    handle = module.discriminator[0].register_forward_hook(penalty)
+    try:
+        score = module.discriminator(real)
+    finally:
+        handle.remove()
+    module.manual_backward(score.mean() + penalties[0])
+
+
 def penalty_through_frozen(module: GAN, batch: torch.Tensor) -> torch.Tensor:
     """The generator trained on the gradient of a frozen discriminator at its samples (a penalty through D)."""
     _, z = patterns.split(batch)
@@ -366,6 +384,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "autograd_grad_allowed": (lambda: GAN(gradients_by_autograd_grad), {"stage": 2}),
     "penalty_through_zero3": (lambda: GAN(penalty_only), {"stage": 3}),
     "penalty_through_a_child_zero3": (lambda: GAN(penalty_through_a_child), {"stage": 3}),
+    "penalty_through_its_forward_zero3": (lambda: GAN(penalty_inside_the_forward), {"stage": 3}),
     "penalty_through_frozen_zero3": (
         lambda: GAN(penalty_through_frozen, "generator"),
         {"engine_configs": {"discriminator": {"zero_optimization": {"stage": 3}}}},
@@ -529,7 +548,7 @@ EXPECTED = {
         f"penalty_through_{kind}zero3": r"^A backward with `create_graph=True` \(a gradient penalty.*runs "
         r"through engine 'discriminator' \(ZeRO-3\).*Give 'discriminator', and every engine the penalty runs through, "
         r"ZeRO-0/1/2"
-        for kind in ("", "frozen_", "a_child_")
+        for kind in ("", "frozen_", "a_child_", "its_forward_")
     },
     "penalty_at_the_output_of_zero3": r"^no error$",
     **{  # at ZeRO-3 the block's exception path then clears whole local gradients (ZeRO-3's zero_grad failed on them)
