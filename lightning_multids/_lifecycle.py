@@ -103,9 +103,13 @@ def build_engines(
             check_accumulation_dtype(configs[name], f"the engine {name!r}")
         check_averages(averages or {}, module, [*plan.matched, *plan.from_config], configs)
     result = EngineSet(router=Router(find_unused))
-    _build_trainable(result, module, plan, configs)
-    for name, config in plan.frozen.items():
-        _add_frozen(result, name, build_frozen_engine(getattr(module, name), config))
+    try:
+        _build_trainable(result, module, plan, configs)
+        for name, config in plan.frozen.items():
+            _add_frozen(result, name, build_frozen_engine(getattr(module, name), config))
+    except BaseException:  # an engine that failed to build (out of memory): those built come off the modules
+        release_engines(result)
+        raise
     _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
     result.averager = build_averager(averages or {}, module)
     if result.averager is not None:

@@ -21,6 +21,7 @@ import os
 import warnings
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import deepspeed
 import lightning.pytorch as pl
@@ -180,6 +181,14 @@ def fit_fit_test(out: Path) -> dict[str, Any] | None:
         failed.save_checkpoint(out / "after_failure.ckpt")
     except RuntimeError as error:
         results["save_after_failure"] = str(error)
+    # a fit whose last engine fails to build (out of memory): the engines built before it come off the module
+    unbuilt = Lifecycle()
+    with (
+        mock.patch("lightning_multids._lifecycle.build_frozen_engine", side_effect=MemoryError("no memory left")),
+        contextlib.suppress(MemoryError),
+    ):
+        cpu_trainer(strategy(2), enable_checkpointing=False, use_distributed_sampler=False).fit(unbuilt)
+    results["failed_while_building"] = leftovers(unbuilt)
     # a fit that fails before its setup: the earlier fit's engines (of another module) go too
     failed.fit(Lifecycle())
     with contextlib.suppress(ValueError):
@@ -220,7 +229,7 @@ def test_teardown_removes_every_hook_and_patch_and_keeps_the_stopped_engines(res
     assert results[f"{after}_engines"] == ["critic", "discriminator", "generator"]
 
 
-@pytest.mark.parametrize("after", ["released", "test", "failed", "failed_before_setup"])
+@pytest.mark.parametrize("after", ["released", "test", "failed", "failed_while_building", "failed_before_setup"])
 def test_release_or_the_next_setup_frees_the_engines(results: dict, after: str) -> None:
     assert results[after] == NOTHING_LEFT
 
