@@ -186,13 +186,17 @@ def move_towards(average: nn.Module, source: nn.Module, weight: float) -> None:
 
 
 def train(case: Case, dtype: torch.dtype = torch.float32, nudged: bool = False) -> tuple[Result, ReferenceBackend]:
-    """Train ``case`` in plain PyTorch, weights and data in ``dtype``, each initial weight moved by one ulp up or
-    down if ``nudged``; raise :class:`InvalidCase` where it cannot be a fuzz case."""
+    """Train ``case`` in plain PyTorch, each module's weights in ``dtype`` and its inputs cast to it (as the
+    strategy casts an engine's), each initial weight moved by one ulp up or down if ``nudged``; the data, and so
+    every data-dependent term, stay fp32. Raise :class:`InvalidCase` where it cannot be a fuzz case."""
     modules = {name: module.to(dtype) for name, module in program.make_modules(case).items()}
+    if dtype != torch.float32:
+        for module in modules.values():
+            module.register_forward_pre_hook(lambda _, args: tuple(a.to(dtype) for a in args))
     if nudged:
         nudge(modules, case.seed)
     backend = ReferenceBackend(case, modules)
-    data = program.make_data(case).to(dtype)
+    data = program.make_data(case)
     for step in range(case.steps):
         if case.resume is not None and step == case.resume.at:
             for name in case.trained:
@@ -215,12 +219,12 @@ def rounding_noise(case: Case) -> tuple[Result, str]:
     """What rounding alone does to ``case`` in plain PyTorch, and how it was found: trained in bf16 for a bf16 case,
     else in fp32 from initial weights one ulp away. Its distance from :func:`reference` is the case's noise floor."""
     if case.precision == "bf16-mixed":
-        return train(case, torch.bfloat16)[0], "plain PyTorch in bf16"
+        return train(case, torch.bfloat16)[0], "plain PyTorch with bf16 weights"
     return train(case, nudged=True)[0], "plain PyTorch from initial weights one ulp away"
 
 
 def nudge(modules: dict[str, nn.Module], seed: int) -> None:
-    """Move every weight by one ulp, up or down at random (``seed``)."""
+    """Move every weight by one ulp, up or down at random (``seed``); a layer two modules share, once each."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in modules.values():

@@ -89,7 +89,7 @@ def test_the_comparison_flags_a_gradient_off_by_a_factor() -> None:
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_a_mismatch_says_how_far_rounding_alone_moves_plain_pytorch(precision: str) -> None:
-    """The note: plain PyTorch in bf16, or from weights one ulp away, against the reference; the verdict stays."""
+    """The note: plain PyTorch with bf16 weights, or from weights one ulp away, against the reference."""
     case = reference.resolve(gan_case())
     assert case is not None
     case.read_before_step, case.precision = True, precision
@@ -97,12 +97,8 @@ def test_a_mismatch_says_how_far_rounding_alone_moves_plain_pytorch(precision: s
     doubled = copy.deepcopy(case)
     doubled.phases[1].terms[0].weight = 2.0
     noise, how = reference.rounding_noise(case)
-    assert (
-        how
-        == {"32-true": "plain PyTorch from initial weights one ulp away", "bf16-mixed": "plain PyTorch in bf16"}[
-            precision
-        ]
-    )
+    ways = {"32-true": "from initial weights one ulp away", "bf16-mixed": "with bf16 weights"}
+    assert how == f"plain PyTorch {ways[precision]}"
     assert any(not torch.equal(noise.weights[key], right.weights[key]) for key in right.weights)
     floor = outcome.compare(case, right, as_ranks(noise)).worst  # rounding alone: within the tolerance here
     found = outcome.with_rounding_noise(
