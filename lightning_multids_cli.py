@@ -21,9 +21,12 @@ SUBCOMMANDS = {
 }
 """Each subcommand and what it does: LightningCLI's, then ``export``."""
 
+LIGHTNING_SUBCOMMANDS = [name for name in SUBCOMMANDS if name != "export"]
+
 OVERVIEW = "\n".join(
     [
-        f"usage: lightning-multids [-h] [-c CONFIG] {{{','.join(SUBCOMMANDS)}}} ...",
+        f"usage: lightning-multids [-h] [-c CONFIG] {{{','.join(LIGHTNING_SUBCOMMANDS)}}} ...",
+        "       lightning-multids export CKPT OUT [--dtype ...] [--format ...]",
         "",
         "Train LightningModules with one DeepSpeed engine per submodule.",
         "",
@@ -32,7 +35,7 @@ OVERVIEW = "\n".join(
         "",
         "options:",
         "  -h, --help            show this message and exit",
-        "  -c, --config CONFIG   a YAML or JSON config for LightningCLI (also after the subcommand)",
+        "  -c, --config CONFIG   a YAML or JSON config for fit, validate, test or predict (also after it)",
         "  --print_config        print the resolved config and exit",
         "",
     ]
