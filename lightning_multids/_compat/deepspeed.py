@@ -927,16 +927,27 @@ def release_engine(engine: DeepSpeedEngine) -> None:
     """``engine.destroy()``, then drop what it leaves that would keep the engine alive as long as its module.
 
     ``destroy()`` removes ZeRO's gradient and gather/release hooks, but not the engine's own forward hooks on the
-    module (``module_forward_pre_hook``/``_post_hook``) nor each ZeRO-3 parameter's ``_z3_optimizer`` link.
+    module (``module_forward_pre_hook``/``_post_hook``), each ZeRO-3 parameter's ``_z3_optimizer`` link, nor the
+    autograd Functions ZeRO-3 keeps on each submodule (``pre_bwd_fn``/``post_bwd_fn``, made once per submodule and
+    bound to the engine that made them: the next engine on the module would gather for its backwards through
+    this one's hooks, and :func:`refuse_second_order`'s check would not run).
     """
     engine.destroy()
-    if engine.zero_optimization_partition_weights():  # refuse_second_order's check
-        _zero3_offload(engine).__dict__.pop("pre_sub_module_backward_function", None)
+    if engine.zero_optimization_partition_weights():
+        _zero3_offload(engine).__dict__.pop("pre_sub_module_backward_function", None)  # refuse_second_order's check
+        for module in engine.module.modules():
+            for name in _ZERO3_MODULE_FUNCTIONS:
+                module.__dict__.pop(name, None)
     for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):
         if handle is not None:
             handle.remove()
     for param in engine.module.parameters():
         param.__dict__.pop("_z3_optimizer", None)
+
+
+_ZERO3_MODULE_FUNCTIONS = ("pre_bwd_fn", "post_bwd_fn", "applied_pre_backward_ref_cnt", "ds_grads_remaining")
+"""What ZeRO-3 sets on each submodule once and reads back at the next engine's registration (0.19.8:
+``DeepSpeedZeRoOffload._register_deepspeed_module`` makes the two Functions only where ``pre_bwd_fn`` is missing)."""
 
 
 @contextmanager

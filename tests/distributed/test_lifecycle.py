@@ -118,6 +118,7 @@ def leftovers(module: Lifecycle) -> dict[str, Any]:
             for p in module.parameters()
         ),
         "optimizer_hooks": sum(len(o._optimizer_step_pre_hooks) for o in module.made),
+        "zero3_functions": sum(name in m.__dict__ for m in module.modules() for name in ("pre_bwd_fn", "post_bwd_fn")),
         "patched": sorted(n for n, m in module.named_children() if "train" in m.__dict__),
         "live_engines": sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects()),
         "warning_filters": zero_deprecation_filters(),
@@ -205,6 +206,7 @@ NOTHING_LEFT = {
     "module_hooks": 0,
     "param_hooks": 0,
     "optimizer_hooks": 0,
+    "zero3_functions": 0,  # bound to this fit's engines: the next fit's make their own
     "patched": [],
     "live_engines": 0,
     "warning_filters": 0,
