@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_multids._compat import torch as torch_compat
 from lightning_multids._nonfinite import NonFiniteGradients, skip_nonfinite_steps
 
 
@@ -51,3 +52,24 @@ def test_finite_low_precision_gradients_whose_norms_leave_their_range_are_applie
     optimizer.step()
     assert all((param != 0).all() for param in params)
     handle.remove()
+
+
+@pytest.mark.parametrize("fused", [True, False])  # False: the way for bf16 on CUDA, where the fused check has no kernel
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf")])
+def test_the_check_finds_a_nonfinite_value_in_any_dtype_with_either_way(
+    fused: bool, bad: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch_compat, "_fused_check_runs_on", lambda device, dtype: fused)
+    tensors = [torch.ones(3), torch.ones(2, dtype=torch.bfloat16), torch.ones(2, 2, dtype=torch.float16).t()]
+    if bad is not None:
+        tensors[1][1] = bad
+    assert torch_compat.any_nonfinite(tensors) is (bad is not None)
+
+
+def test_the_check_runs_whatever_the_default_dtype() -> None:
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert torch_compat.any_nonfinite([torch.tensor([1.0, float("inf")], dtype=torch.float32)])
+        assert not torch_compat.any_nonfinite([torch.ones(3, dtype=torch.float32)])
+    finally:
+        torch.set_default_dtype(torch.float32)
