@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._compat import torch as torch_compat
 from lightning_multids._compat.lightning import sync_module_states
 from lightning_multids._config import (
     check_accumulation_dtype,
@@ -107,15 +108,15 @@ def build_engines(
         _build_trainable(result, module, plan, configs)
         for name, config in plan.frozen.items():
             _add_frozen(result, name, build_frozen_engine(getattr(module, name), config))
-    except BaseException:  # an engine that failed to build (out of memory): those built come off the modules
+        _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
+        result.averager = build_averager(averages or {}, module)
+        if result.averager is not None:
+            for optimizer in result.optimizers:
+                optimizer.after_step = result.averager.after_step
+            result.averager.start()
+    except BaseException:  # out of memory while building: the engines built come off the modules
         release_engines(result)
         raise
-    _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
-    result.averager = build_averager(averages or {}, module)
-    if result.averager is not None:
-        for optimizer in result.optimizers:
-            optimizer.after_step = result.averager.after_step
-        result.averager.start()
     return result
 
 
@@ -173,17 +174,32 @@ def whole_numel(params: Iterable[nn.Parameter]) -> int:
 
 
 def _add_frozen(result: EngineSet, name: str, engine: DeepSpeedEngine) -> None:
-    ds_compat.check_engine(name, engine)
-    result.add(name, engine, attach(name, engine))
+    with _released_on_error(engine) as handles:
+        ds_compat.check_engine(name, engine)
+        handles += attach(name, engine)
+    result.add(name, engine, handles)
 
 
 def _add_trainable(
     result: EngineSet, name: str, engine: DeepSpeedEngine, optimizer: Optimizer, params: list[list[nn.Parameter]]
 ) -> None:
-    ds_compat.check_engine(name, engine)
-    ds_compat.undo_initial_step(engine)
-    handles = attach(name, engine) + result.router.watch(name, engine)
+    with _released_on_error(engine) as handles:
+        ds_compat.check_engine(name, engine)
+        ds_compat.undo_initial_step(engine)
+        handles += attach(name, engine)
+        handles += result.router.watch(name, engine)
     result.add_trainable(name, engine, optimizer, params, handles)
+
+
+@contextmanager
+def _released_on_error(engine: DeepSpeedEngine) -> Iterator[list[RemovableHandle]]:
+    """Yield a list for the handles put on ``engine``; if the body raises, detach them and release the engine."""
+    handles: list[RemovableHandle] = []
+    try:
+        yield handles
+    except BaseException:
+        detach(engine, handles)
+        raise
 
 
 def release_engines(engines: EngineSet) -> None:
@@ -210,16 +226,24 @@ def build_engine(
     """Wrap ``module`` in a DeepSpeed engine with ``optimizer`` and ``scheduler`` (owned by the engine).
 
     Without ``optimizer``, DeepSpeed builds one from the config's ``optimizer`` section if it has one,
-    over the module's trainable parameters. The engine steps its scheduler in ``engine.step()``.
+    over the module's trainable parameters. The engine steps its scheduler in ``engine.step()``. Where DeepSpeed
+    fails halfway (out of memory), the hooks it had put on the module come off again; a ZeRO-3 module stays
+    partitioned.
     """
-    engine, *_ = deepspeed.initialize(
-        model=module,
-        optimizer=optimizer,
-        model_parameters=None if optimizer is not None else [p for p in module.parameters() if p.requires_grad],
-        lr_scheduler=scheduler,
-        config=config,
-        dist_init_required=False,
-    )
+    remove_hooks = torch_compat.hooks_added_from_now(module)
+    try:
+        engine, *_ = deepspeed.initialize(
+            model=module,
+            optimizer=optimizer,
+            model_parameters=None if optimizer is not None else [p for p in module.parameters() if p.requires_grad],
+            lr_scheduler=scheduler,
+            config=config,
+            dist_init_required=False,
+        )
+    except BaseException:
+        remove_hooks()
+        ds_compat.forget_zero3_functions(module)
+        raise
     return engine
 
 

@@ -935,14 +935,19 @@ def release_engine(engine: DeepSpeedEngine) -> None:
     engine.destroy()
     if engine.zero_optimization_partition_weights():
         _zero3_offload(engine).__dict__.pop("pre_sub_module_backward_function", None)  # refuse_second_order's check
-        for module in engine.module.modules():
-            for name in _ZERO3_MODULE_FUNCTIONS:
-                module.__dict__.pop(name, None)
+        forget_zero3_functions(engine.module)
     for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):
         if handle is not None:
             handle.remove()
     for param in engine.module.parameters():
         param.__dict__.pop("_z3_optimizer", None)
+
+
+def forget_zero3_functions(module: torch.nn.Module) -> None:
+    """Drop what ZeRO-3 set on each submodule of ``module`` for its backward (:data:`_ZERO3_MODULE_FUNCTIONS`)."""
+    for sub in module.modules():
+        for name in _ZERO3_MODULE_FUNCTIONS:
+            sub.__dict__.pop(name, None)
 
 
 _ZERO3_MODULE_FUNCTIONS = ("pre_bwd_fn", "post_bwd_fn", "applied_pre_backward_ref_cnt", "ds_grads_remaining")

@@ -184,6 +184,35 @@ def _fused_check_runs_on(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and dtype in (torch.float16, torch.float32, torch.float64))
 
 
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+_HOOK_SIDE_DICTS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+"""``nn.Module``'s hook registries, and those keyed by the same hook ids (what ``RemovableHandle.remove`` clears)."""
+
+
+def hooks_added_from_now(module: torch.nn.Module) -> Callable[[], None]:
+    """Return what removes each hook registered on ``module`` or a submodule after this call, by anyone."""
+    before = [(sub, name, set(getattr(sub, name))) for sub in module.modules() for name in _HOOK_DICTS]
+
+    def remove() -> None:
+        for sub, name, kept in before:
+            hooks = getattr(sub, name)
+            for key in [key for key in hooks if key not in kept]:
+                del hooks[key]
+                for side in _HOOK_SIDE_DICTS:
+                    getattr(sub, side, {}).pop(key, None)
+
+    return remove
+
+
 def is_compiled(module: torch.nn.Module) -> bool:
     """Whether ``module`` is what ``torch.compile(module)`` returns (a wrapper around the original module)."""
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
