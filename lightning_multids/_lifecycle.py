@@ -282,7 +282,8 @@ def _refuse_second_order(name: str) -> Callable[[], None]:
     def refuse() -> None:
         raise ValueError(
             f"A backward with `create_graph=True` (a gradient penalty, `torch.autograd.grad(..., "
-            f"create_graph=True)`) runs through engine {name!r} (ZeRO-3): the graph it records for the second "
+            f"create_graph=True)`, or a `torch.func` transform, which always records one) runs through engine "
+            f"{name!r} (ZeRO-3): the graph it records for the second "
             f"backward uses the weights of {name!r}, which ZeRO-3 partitions again (empties) as soon as this "
             f"backward leaves the engine, so that second backward would fail or be wrong. Give {name!r}, and "
             f"every engine the penalty runs through, ZeRO-0/1/2: `engine_configs={{{name!r}: "
