@@ -176,7 +176,10 @@ def any_nonfinite(tensors: list[torch.Tensor]) -> bool:
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, unit)
         else:
             flag += torch.stack([torch.isfinite(tensor).all() for tensor in group]).logical_not().any()
-    return any(bool(flag) for flag in flags.values())
+    found = False
+    for flag in flags.values():  # one read per device
+        found = bool(flag) or found
+    return found
 
 
 def _fused_check_runs_on(device: torch.device, dtype: torch.dtype) -> bool:
