@@ -242,7 +242,7 @@ def build_engine(
         )
     except BaseException:
         remove_hooks()
-        ds_compat.forget_zero3_functions(module)
+        ds_compat.forget_zero3_module_state(module)
         raise
     return engine
 
@@ -283,10 +283,10 @@ def _refuse_second_order(name: str) -> Callable[[], None]:
         raise ValueError(
             f"A backward with `create_graph=True` (a gradient penalty, `torch.autograd.grad(..., "
             f"create_graph=True)`, or a `torch.func` transform, which always records one) runs through engine "
-            f"{name!r} (ZeRO-3): the graph it records for the second "
-            f"backward uses the weights of {name!r}, which ZeRO-3 partitions again (empties) as soon as this "
-            f"backward leaves the engine, so that second backward would fail or be wrong. Give {name!r}, and "
-            f"every engine the penalty runs through, ZeRO-0/1/2: `engine_configs={{{name!r}: "
+            f"{name!r} (ZeRO-3): the graph it records for the second backward uses the weights of {name!r}, which "
+            f"ZeRO-3 partitions again (empties) as soon as this backward leaves the engine, so that second backward "
+            f"would fail or be wrong. Give {name!r}, and every engine the penalty runs through, ZeRO-0/1/2: "
+            f"`engine_configs={{{name!r}: "
             '{"zero_optimization": {"stage": 2}}}`.'
         )
 

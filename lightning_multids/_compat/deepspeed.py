@@ -935,7 +935,7 @@ def release_engine(engine: DeepSpeedEngine) -> None:
     engine.destroy()
     if engine.zero_optimization_partition_weights():
         _zero3_offload(engine).__dict__.pop("pre_sub_module_backward_function", None)  # refuse_second_order's check
-        forget_zero3_functions(engine.module)
+        forget_zero3_module_state(engine.module)
     for handle in (engine.module_forward_pre_hook, engine.module_forward_post_hook):
         if handle is not None:
             handle.remove()
@@ -943,14 +943,14 @@ def release_engine(engine: DeepSpeedEngine) -> None:
         param.__dict__.pop("_z3_optimizer", None)
 
 
-def forget_zero3_functions(module: torch.nn.Module) -> None:
-    """Drop what ZeRO-3 set on each submodule of ``module`` for its backward (:data:`_ZERO3_MODULE_FUNCTIONS`)."""
+def forget_zero3_module_state(module: torch.nn.Module) -> None:
+    """Drop what ZeRO-3 set on each submodule of ``module`` for its backward: two Functions, two counters."""
     for sub in module.modules():
-        for name in _ZERO3_MODULE_FUNCTIONS:
+        for name in _ZERO3_MODULE_STATE:
             sub.__dict__.pop(name, None)
 
 
-_ZERO3_MODULE_FUNCTIONS = ("pre_bwd_fn", "post_bwd_fn", "applied_pre_backward_ref_cnt", "ds_grads_remaining")
+_ZERO3_MODULE_STATE = ("pre_bwd_fn", "post_bwd_fn", "applied_pre_backward_ref_cnt", "ds_grads_remaining")
 """What ZeRO-3 sets on each submodule once and reads back at the next engine's registration (0.19.8:
 ``DeepSpeedZeRoOffload._register_deepspeed_module`` makes the two Functions only where ``pre_bwd_fn`` is missing)."""
 
