@@ -12,7 +12,10 @@ range of that difference over the rounds). Then one more run of each side has a 
 strategy's functions on the step's path and around what they call out to: the step's own code (the
 LightningModule's ``training_step``, B's loop body), the models' ``forward``, autograd's ``backward``,
 DeepSpeed's ``forward``, ``backward``, prologue, epilogue, ``step`` and ``zero_grad``, and Lightning's wrappers
-(``manual_backward``, ``toggle_optimizer``, the optimizer step and its closure). Each row is a function's own
+(``manual_backward``, ``toggle_optimizer``, the optimizer step and its closure, and what Lightning's own
+``Strategy.backward`` runs around the backward under any strategy: the strategy's and the precision plugin's
+``pre_backward``/``post_backward`` with the ``on_before_backward``/``on_after_backward`` hooks, and
+``LightningModule.backward``). Each row is a function's own
 (exclusive) time per step: its time minus that of the timed calls inside it; A's column beside B's. "The loop"
 is Lightning's wrappers plus the step time spent outside every timed function (for B: its input cast and timer).
 The timers add about a microsecond per call; the instrumented step time is shown beside the uninstrumented one.
@@ -42,7 +45,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from overhead import MODULES, Run, batches, configure, run_raw, run_strategy
 from torch import nn
 
@@ -133,6 +136,14 @@ def targets(case: str) -> list[tuple[Any, str, str, str]]:
         (pl.LightningModule, "untoggle_optimizer", LIGHTNING, "lightning"),
         (LightningOptimizer, "step", LIGHTNING, "lightning"),
         (Strategy, "backward", LIGHTNING, "lightning"),
+        (Strategy, "pre_backward", LIGHTNING, "lightning"),  # what Lightning's backward calls around ours too
+        (Strategy, "post_backward", LIGHTNING, "lightning"),
+        (DDPStrategy, "pre_backward", LIGHTNING, "lightning"),
+        (DDPStrategy, "post_backward", LIGHTNING, "lightning"),
+        (Precision, "pre_backward", LIGHTNING, "lightning"),  # the on_before_backward hooks
+        (Precision, "backward", LIGHTNING, "lightning"),
+        (Precision, "post_backward", LIGHTNING, "lightning"),  # the on_after_backward hooks
+        (pl.LightningModule, "backward", LIGHTNING, "lightning"),
         (Precision, "optimizer_step", LIGHTNING, "lightning"),
         (Precision, "_wrap_closure", LIGHTNING, "lightning"),  # the closure and on_before_optimizer_step hooks
     ]
