@@ -34,6 +34,6 @@ def skip_nonfinite_steps(engine: DeepSpeedEngine) -> RemovableHandle | None:
 def _refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     # GradScaler's fused check, values left as they are, and one read (a device sync on a GPU): the same read that
     # DeepSpeed's own check makes at bf16 stage 0 (the overflow check of `FP16_Optimizer` over bf16 weights).
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = [grad for group in optimizer.param_groups for p in group["params"] if (grad := p.grad) is not None]
     if grads and any_nonfinite(grads):
         raise NonFiniteGradients
