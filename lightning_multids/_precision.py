@@ -120,7 +120,11 @@ def cast_inputs(dtype: torch.dtype) -> Any:
     def cast(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
-    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not kwargs and all(type(arg) is torch.Tensor for arg in args):  # the usual call: plain tensors only
+            if all(arg.dtype == dtype or not arg.is_floating_point() for arg in args):
+                return None  # nothing to cast: the inputs as they are
+            return tuple(cast(arg) for arg in args), kwargs
         return apply_to_collection(args, torch.Tensor, cast), apply_to_collection(kwargs, torch.Tensor, cast)
 
     return hook

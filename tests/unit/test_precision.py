@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_multids._compat.deepspeed import loss_scale
-from lightning_multids._precision import loss_scaling
+from lightning_multids._precision import cast_inputs, loss_scaling
 from tests.fakes import FakeEngine, routed_engine_set
 
 
@@ -86,3 +86,19 @@ def test_a_backward_at_one_loss_scale_does_not_walk_the_graph(
     assert generator.weight.grad is None
     expected = torch.autograd.grad(discriminator(generator(z).detach()).sum(), discriminator.weight)[0]
     torch.testing.assert_close(discriminator.weight.grad, expected * (scales[1] or 1.0))
+
+
+def test_the_input_cast_hook_casts_floating_inputs_to_the_engine_dtype_and_leaves_the_rest() -> None:
+    """Plain tensor arguments (the usual call) and nested or keyword ones: the same casts, nothing else touched."""
+    module = nn.Linear(2, 2).to(torch.bfloat16)
+    hook = cast_inputs(torch.bfloat16)
+    floats, ints, ready = torch.randn(3, 2), torch.arange(3), torch.randn(3, 2, dtype=torch.bfloat16)
+    assert hook(module, (ready, ints), {}) is None  # nothing to cast: the inputs as they are
+    args, kwargs = hook(module, (floats, ints), {})
+    assert args[0].dtype == torch.bfloat16 and torch.equal(args[0], floats.to(torch.bfloat16)) and args[1] is ints
+    args, kwargs = hook(module, ([floats, ints],), {"mask": floats, "steps": 2})
+    assert args[0][0].dtype == torch.bfloat16 and args[0][1] is ints and kwargs["mask"].dtype == torch.bfloat16
+    assert kwargs["steps"] == 2
+    parameter = nn.Parameter(torch.randn(2))  # a tensor subclass takes the general way, and is cast as well
+    args, _ = hook(module, (parameter,), {})
+    assert args[0].dtype == torch.bfloat16
