@@ -8,7 +8,7 @@ between, the strategy's hooks call it: a backward (:meth:`EngineSet.backward`), 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,13 +22,30 @@ from lightning_multids._blocks import refuse_outside_run, refuse_partitioned_wei
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat import torch as torch_compat
 from lightning_multids._config import merge
-from lightning_multids._discovery import UNWALKED, reached_engines
+from lightning_multids._discovery import UNWALKED, Reach, reached_engines
 from lightning_multids._ema import Averager
 from lightning_multids._gradients import clipped, full_gradients, refuse_gradient_read
 from lightning_multids._optimizer import EngineOptimizer
 from lightning_multids._precision import engine_dtype, loss_scaling
 from lightning_multids._record import NO_SYNC, EngineRecord, Phase
 from lightning_multids._routing import Router, refuse_uneven_zero3
+
+
+@dataclass(frozen=True)
+class _BackwardPlan:
+    """What every backward of a fit reads that nothing changes between setup and teardown (made at the first one)."""
+
+    trainable: list[EngineRecord]
+    """The trainable engines' records, in optimizer order."""
+    engines: dict[str, DeepSpeedEngine]
+    """The trainable engines by name, in optimizer order."""
+    fp16: bool
+    """Whether a trainable engine is fp16: its loss scale then changes from step to step and is read each time."""
+    zero3: list[str]
+    """The trainable ZeRO-3 engines' names, sorted."""
+    frozen_zero3: list[DeepSpeedEngine]
+    """The frozen ZeRO-3 engines, whose leftovers a backward releases."""
+    several_ranks: bool
 
 
 @dataclass
@@ -49,6 +66,8 @@ class EngineSet:
     """Routes each backward through the trainable engines it reaches."""
     averager: Averager | None = None
     """Updates the EMA engines after their sources' steps (``MultiDeepSpeedStrategy(ema=...)``)."""
+    _plan: _BackwardPlan | None = field(default=None, repr=False)
+    """What every backward reads (:meth:`_backward_plan`); made again after an engine is added."""
 
     @property
     def engines(self) -> dict[str, DeepSpeedEngine]:
@@ -68,6 +87,7 @@ class EngineSet:
     def add(self, name: str, engine: DeepSpeedEngine, handles: list[RemovableHandle]) -> None:
         """Record an engine and the hooks registered for it; a frozen (inference) engine needs nothing more."""
         self.records[name] = EngineRecord(name, engine, handles=handles)
+        self._plan = None
 
     def add_trainable(
         self,
@@ -105,11 +125,28 @@ class EngineSet:
         """The trainable engines by name, in optimizer order."""
         return {record.name: record.engine for record in self.trainable}
 
-    def _release_frozen_leftovers(self) -> None:
+    def _backward_plan(self) -> _BackwardPlan:
+        if self._plan is None:
+            trainable = self.trainable
+            engines = {record.name: record.engine for record in trainable}
+            self._plan = _BackwardPlan(
+                trainable=trainable,
+                engines=engines,
+                fp16=any(engine.fp16_enabled() for engine in engines.values()),
+                zero3=sorted(name for name, engine in engines.items() if engine.zero_optimization_stage() == 3),
+                frozen_zero3=[
+                    record.engine
+                    for record in self.records.values()
+                    if not record.trainable and record.engine.zero_optimization_stage() == 3
+                ],
+                several_ranks=_several_ranks(),
+            )
+        return self._plan
+
+    def _release_frozen_leftovers(self, plan: _BackwardPlan) -> None:
         """After a backward, ended or failed: release what it gathered of frozen ZeRO-3 engines and left gathered."""
-        for record in self.records.values():
-            if not record.trainable and record.engine.zero_optimization_stage() == 3:
-                ds_compat.release_after_backward(record.engine)
+        for engine in plan.frozen_zero3:
+            ds_compat.release_after_backward(engine)
 
     def clear_gradients(self) -> None:
         """Clear every trainable engine's gradients, as ``opt.zero_grad()`` on each would."""
@@ -203,50 +240,61 @@ class EngineSet:
         override that skips a batch) leaves the engines without gradients, so the next step changes nothing, as
         under DDP.
         """
-        trainable = self.trainable
-        for record in trainable:
+        plan = self._backward_plan()
+        for record in plan.trainable:
             record.refuse_backward()
-        with ExitStack() as stack:
-            for record in trainable:
-                stack.enter_context(record.in_phase(Phase.BACKWARD))
-            for record in self.records.values():  # DeepSpeed's accesses to the parameters in it: at no cost
-                if record.guard is not None:
-                    stack.enter_context(record.guard.suspended())
-            with self._routed(loss) as scaled:
+        guards = [record.guard for record in self.records.values() if record.guard is not None]
+        before = [record.phase for record in plan.trainable]
+        for record in plan.trainable:
+            record.phase = Phase.BACKWARD
+        for guard in guards:  # DeepSpeed's accesses to the parameters in the backward: at no cost
+            guard.suspend()
+        try:
+            with self._routed(loss, plan) as scaled:
                 yield scaled
+        finally:
+            for guard in guards:
+                guard.resume()
+            for record, phase in zip(plan.trainable, before, strict=True):
+                record.phase = phase
 
     @contextmanager
-    def _routed(self, loss: torch.Tensor) -> Iterator[torch.Tensor]:
+    def _routed(self, loss: torch.Tensor, plan: _BackwardPlan) -> Iterator[torch.Tensor]:
         self._refuse_unfrozen()
-        agreeing = self.router.find_unused and _several_ranks()
+        agreeing = self.router.find_unused and plan.several_ranks
         if loss.grad_fn is None:
             if not agreeing:
                 self._refuse_untrained()
             loss = loss.detach() + torch.zeros((), device=loss.device, requires_grad=True)  # agree with the others
-        trainable = self.trainable_engines
-        scales = {name: ds_compat.loss_scale(engine) for name, engine in trainable.items()}
-        factors: dict[str, float] = {}
-        if len(set(scales.values())) == 1:  # bf16/fp32, or fp16 at one scale: the loss's reach does not matter
-            reach, scale = UNWALKED, next(iter(scales.values()))
-        else:  # fp16 at different scales: the loss is scaled for the engines it reaches, found by a walk
-            reach = reached_engines(loss, self.owners)
-            scale, factors = loss_scaling(scales if reach.hidden else {n: scales[n] for n in reach.names})
-        zero3 = sorted(name for name, engine in trainable.items() if engine.zero_optimization_stage() == 3)
-        if zero3 and agreeing:
+        reach, scale, factors = self._fp16_scaling(loss, plan) if plan.fp16 else (UNWALKED, 1.0, {})
+        if plan.zero3 and agreeing:
             walked = reach if reach is not UNWALKED else reached_engines(loss, self.owners)
-            refuse_uneven_zero3(walked, zero3, trainable[zero3[0]].device)
-        with self.router.routed(loss, trainable, reach, factors) as route:
+            refuse_uneven_zero3(walked, plan.zero3, plan.engines[plan.zero3[0]].device)
+        with self.router.routed(loss, plan.engines, reach, factors) as route:
             try:
                 yield loss * scale if scale != 1.0 else loss
             except BaseException:
                 self._mark_gradients(route.entered, False)  # routed() drops them
-                self._release_frozen_leftovers()
+                self._release_frozen_leftovers(plan)
                 raise
-        self._release_frozen_leftovers()
+        self._release_frozen_leftovers(plan)
         if not route.entered and route.ran:  # no backward ran (a skipping `backward` override): no gradients, as DDP
             self._refuse_untrained()
         self.backward_calls += 1
         self._mark_gradients(route.entered, True)
+
+    def _fp16_scaling(self, loss: torch.Tensor, plan: _BackwardPlan) -> tuple[Reach, float, dict[str, float]]:
+        """The walk, loss scale and gradient factors of a backward where some trainable engine is fp16.
+
+        At one scale for every engine the loss's reach does not matter: no walk, no factors. At different scales
+        the loss is scaled for the engines it reaches, found by a walk (:func:`precision.loss_scaling`).
+        """
+        scales = {name: ds_compat.loss_scale(engine) for name, engine in plan.engines.items()}
+        if len(set(scales.values())) == 1:
+            return UNWALKED, next(iter(scales.values())), {}
+        reach = reached_engines(loss, self.owners)
+        scale, factors = loss_scaling(scales if reach.hidden else {n: scales[n] for n in reach.names})
+        return reach, scale, factors
 
     def _mark_gradients(self, names: Collection[str], present: bool) -> None:
         for name in names:

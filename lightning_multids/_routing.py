@@ -96,6 +96,8 @@ class Route:
     entered: dict[str, _Phases] = field(default_factory=dict)
     agreeing: bool = False
     """Whether the ranks agree on the reach after the backward (``find_unused_parameters=True``, :func:`agree`)."""
+    several_ranks: bool = False
+    """Whether other ranks run the same backward (a process group of more than one)."""
     hooked: set[str] = field(default_factory=set)
     """The engines whose parameters' hooks see this backward's gradients arrive (per-parameter reach and phases)."""
     unreached: dict[str, list[int]] = field(default_factory=dict)
@@ -154,7 +156,7 @@ class Route:
 
         Not in one process, where there is no other rank to mix gradients with.
         """
-        if not _several_ranks():
+        if not self.several_ranks:
             return
         for name in sorted(self.unreached):
             engine = self.engines[name]
@@ -258,6 +260,8 @@ class Router:
         self._hooks: dict[str, list[Callable[[torch.Tensor], torch.Tensor | None]]] = {}
         self._checkpoints: ForwardCounter | None = None
         """Counts reentrant checkpoints' forwards: once one ran in this fit, every backward is hooked too."""
+        self._several_ranks: bool | None = None
+        """Whether the fit runs on several ranks (read at its first backward)."""
 
     def watch(self, name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
         """Hold ``engine``'s gradient accumulators (once, at setup); returns the handles that teardown removes.
@@ -429,7 +433,9 @@ class Router:
         runs, since it would reduce on this rank alone: every entered engine is reset and drops its gradients
         of this step (:func:`~lightning_multids._compat.deepspeed.abandon_backward`), and leaves the backward.
         """
-        route = Route(engines, factors or {}, self.sizes, agreeing=self.find_unused)
+        if self._several_ranks is None:
+            self._several_ranks = _several_ranks()
+        route = Route(engines, factors or {}, self.sizes, agreeing=self.find_unused, several_ranks=self._several_ranks)
 
         def start(grad: torch.Tensor) -> torch.Tensor:
             route.root_task, route.ran = current_graph_task_id(), True
