@@ -74,3 +74,11 @@ def test_the_check_runs_whatever_the_default_dtype() -> None:
         assert not torch_compat.any_nonfinite([torch.ones(3, dtype=torch.float32)])
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_a_nan_beside_a_tensor_on_another_device_is_never_answered_finite() -> None:
+    """One call takes the CPU's kernel only when every tensor is on the CPU: a meta tensor's kernel checks nothing."""
+    tensors = [torch.tensor([float("nan")]), torch.ones(2, device="meta")]
+    with pytest.raises(RuntimeError, match="meta"):  # the meta tensor has no value to read: refused, not "finite"
+        torch_compat.any_nonfinite(tensors)
+    assert torch_compat.any_nonfinite([torch.tensor([float("nan")]), torch.ones(2, dtype=torch.float64)])
