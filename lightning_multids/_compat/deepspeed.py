@@ -516,7 +516,10 @@ def clear_after_step(engine: DeepSpeedEngine) -> None:
     ``micro_step_id`` itself (0.19.8: ``_take_model_step``, ``DeepSpeedZeroOptimizer.step``). ZeRO-3 leaves its
     flat partition buffer, into which a parameter first reduced after the first backward of the next step adds.
     With ``offload_optimizer`` every stage leaves the host fp32 gradient partition, which the next step would
-    apply again to every parameter that step does not reach.
+    apply again to every parameter that step does not reach; ZeRO-1/2 also leave their host accumulation buffers
+    (``accumulated_grads_in_cpu``), which a reduction after the first of a step adds (``micro_step_id > 0``: a
+    reentrant checkpoint's phase closed mid-backward, or a second backward before the step), so the next step
+    would add this one's gradients again (:func:`_clear_offloaded_accumulation`).
     """
     optimizer = engine.optimizer
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
@@ -524,7 +527,7 @@ def clear_after_step(engine: DeepSpeedEngine) -> None:
         if optimizer.offload_optimizer:
             _clear_offloaded_zero3_gradients(optimizer)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.cpu_offload:
-        _clear_offloaded_partition_gradients(optimizer)
+        _clear_offloaded_accumulation(optimizer)
 
 
 def undo_initial_step(engine: DeepSpeedEngine) -> None:
