@@ -46,6 +46,7 @@ class _BackwardPlan:
     frozen_zero3: list[DeepSpeedEngine]
     """The frozen ZeRO-3 engines, whose leftovers a backward releases."""
     several_ranks: bool
+    """Whether the fit runs on more than one rank."""
 
 
 @dataclass
@@ -127,10 +128,9 @@ class EngineSet:
 
     def _backward_plan(self) -> _BackwardPlan:
         if self._plan is None:
-            trainable = self.trainable
-            engines = {record.name: record.engine for record in trainable}
+            engines = self.trainable_engines
             self._plan = _BackwardPlan(
-                trainable=trainable,
+                trainable=self.trainable,
                 engines=engines,
                 fp16=any(engine.fp16_enabled() for engine in engines.values()),
                 zero3=sorted(name for name, engine in engines.items() if engine.zero_optimization_stage() == 3),
