@@ -237,6 +237,12 @@ def is_compiled(module: torch.nn.Module) -> bool:
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
+def synced_buffers(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """The buffers of ``module`` that DDP broadcasts: all but those named in ``_ddp_params_and_buffers_to_ignore``."""
+    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    return tuple(buffer for name, buffer in module.named_buffers() if name not in ignore)
+
+
 def broadcast_buffers(module: torch.nn.Module) -> None:
     """Broadcast rank 0's buffers of ``module`` in coalesced buckets; a collective call.
 
@@ -244,8 +250,7 @@ def broadcast_buffers(module: torch.nn.Module) -> None:
     calls ``torch.distributed.utils._sync_params_and_buffers`` with 250 MiB buckets from rank 0), leaving out the
     buffers named in ``module._ddp_params_and_buffers_to_ignore`` as it does.
     """
-    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-    buffers = tuple(buffer for name, buffer in module.named_buffers() if name not in ignore)
+    buffers = synced_buffers(module)
     if not buffers:
         return
     # As DDP: the write is hidden from autograd, so a graph that saved a buffer (an eval-mode BatchNorm's running

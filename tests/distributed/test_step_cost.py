@@ -1,10 +1,12 @@
-"""What the default training step adds to DeepSpeed's and Lightning's: no collective, no read of a tensor's value.
+"""What the default training step adds to DeepSpeed's and Lightning's: no collective, no read of a tensor's value,
+no walk of the modules.
 
 On 2 CPU ranks, the GAN pattern (D twice, then G through D) and distillation (a frozen ZeRO-3 teacher, a student
 stepped after 2 backwards) are fitted at ZeRO 0-3. From the second step on, every call of a ``torch.distributed``
 collective is put down to the first frame outside torch and DeepSpeed's ``comm`` that led to it, and every
 ``.item()``, ``.tolist()`` and ``bool(tensor)`` to its caller; those in this package are the strategy's own
-(the function that made each is counted). With
+(the function that made each is counted), and so is every walk of the modules (``named_modules``, behind
+``parameters()`` and ``named_buffers()``) that this package starts. With
 ``find_unused_parameters=True`` the ranks agree after each backward, which the same count shows.
 """
 
@@ -64,6 +66,7 @@ class Count(pl.Callback):
         if idx >= 1:
             self._undo = [_counting(torch.distributed, name, self.counts) for name in COLLECTIVES]
             self._undo += [_counting(torch.Tensor, name, self.counts) for name in READS]
+            self._undo.append(_counting(torch.nn.Module, "named_modules", self.counts))  # every walk of the modules
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         for undo in self._undo:
@@ -104,7 +107,10 @@ def count_steps(stage: int, find_unused: bool) -> dict[str, dict[str, int]]:
 
 def test_the_default_step_runs_no_collective_and_reads_no_tensor_of_its_own() -> None:
     """Except, at ZeRO-0 in fp32, the check that refuses a non-finite step (a plain torch optimizer checks nothing;
-    DeepSpeed's own optimizers make the same read at every other stage and precision): one read per step."""
+    DeepSpeed's own optimizers make the same read at every other stage and precision): one read per step.
+
+    The modules have no buffers, so no step looks for them (as DDP, which syncs none in a fit if it had none when
+    it wrapped the module)."""
     for stage in range(4):
         counts = on_ranks(count_steps, stage, False, timeout=240)
         steps = {"gan": 2 * (STEPS - 1), "distill": STEPS - 1}  # G's and D's; the student's
