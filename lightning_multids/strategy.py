@@ -99,9 +99,10 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             some engine is ZeRO-3, and one small all-gather per block).
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm's running statistics) to every rank at the start of
             each ``training_step``, as ``DDPStrategy(broadcast_buffers=True)``, its default, does before each forward;
-            one coalesced broadcast a step where the module has buffers. As under DDP, which holds its module's
-            buffers when it wraps it, a module with no buffers when the fit starts has none broadcast in that fit.
-            ``False`` lets each rank keep its own.
+            one coalesced broadcast a step where the module has buffers. As under DDP, which looks for buffers when
+            it wraps the module, a module with none at the strategy's setup (after ``configure_model``; buffers
+            named in ``_ddp_params_and_buffers_to_ignore`` do not count) has none broadcast in that fit; where it has
+            some, buffers added or replaced later are broadcast too. ``False`` lets each rank keep its own.
         find_unused_parameters: for losses whose reach differs between ranks, as ``DDPStrategy``'s option of that
             name: an engine reached on some ranks only, or parameters of a ZeRO-2/3 engine that a loss leaves
             without a gradient. The ranks then compare after each backward what each one reached (one all-reduce
@@ -161,8 +162,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self.find_unused_parameters = find_unused_parameters
         self._buffers_due = True
         """Whether the next ``training_step`` starts from rank 0's buffers (not within an accumulation window)."""
-        self._syncs_buffers = False
-        """Whether this fit broadcasts buffers: several ranks, ``broadcast_buffers``, and buffers at setup (as DDP)."""
+        self._buffers_to_sync = False
+        """Whether this fit runs on several ranks and its module had buffers to sync at setup (as DDP)."""
         self._arrival: Arrival | None = None
         self.averages = parse_averages(ema)
         self._entries = average_entries(self.averages, self.engine_configs)
@@ -285,9 +286,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             self.model_to_device()  # the plain submodules: the engines' ones are on the device already
             # As DDP, which holds its module's buffers when it wraps it and syncs none in a fit if it had none then:
             # no walk of the modules per step for a module without buffers.
-            self._syncs_buffers = (
-                self.broadcast_buffers and self.world_size > 1 and bool(torch_compat.synced_buffers(module))
-            )
+            self._buffers_to_sync = self.world_size > 1 and bool(torch_compat.synced_buffers(module))
         else:
             self.model_to_device()
             sync_replicated_states(module)
@@ -490,7 +489,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``training_step`` from rank 0's buffers (``broadcast_buffers``); refuse a module that can never train."""
         module = self.lightning_module
-        if module is not None and self._syncs_buffers and torch.is_grad_enabled():
+        if module is not None and self.broadcast_buffers and self._buffers_to_sync and torch.is_grad_enabled():
             # As DDP, whose forwards under `no_sync` (accumulating batches) leave the next forward unsynced: the
             # first batch of each accumulation window.
             if self._buffers_due:

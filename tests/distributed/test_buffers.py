@@ -41,10 +41,18 @@ def loss_of(body: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor) -
 
 
 class WithBatchNorm(pl.LightningModule):
-    def __init__(self, manual: bool) -> None:
+    """``late``: the body (and so every buffer) is made in ``configure_model``, after the module is built."""
+
+    def __init__(self, manual: bool, late: bool = False) -> None:
         super().__init__()
-        self.body = make_body()
+        self.late = late
+        if not late:
+            self.body = make_body()
         self.automatic_optimization = not manual
+
+    def configure_model(self) -> None:
+        if self.late and not hasattr(self, "body"):
+            self.body = make_body()
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
         if self.automatic_optimization:
@@ -62,7 +70,7 @@ class WithBatchNorm(pl.LightningModule):
         return sharded_loader(self, make_data(), batch_size=PER_RANK)
 
 
-def buffers_after_fit(stage: int, broadcast: bool, accumulate: int) -> Buffers:
+def buffers_after_fit(stage: int, broadcast: bool, accumulate: int, late: bool) -> Buffers:
     """On each rank: the body's buffers when the fit ends (automatic optimization where ``accumulate`` > 1)."""
     at_end = AtFitEnd(lambda strategy: {k: v.clone() for k, v in strategy.lightning_module.body.named_buffers()})
     strategy = MultiDeepSpeedStrategy(stage=stage, broadcast_buffers=broadcast)
@@ -73,7 +81,7 @@ def buffers_after_fit(stage: int, broadcast: bool, accumulate: int) -> Buffers:
         enable_checkpointing=False,
         accumulate_grad_batches=accumulate,
     )
-    trainer.fit(WithBatchNorm(manual=accumulate == 1))
+    trainer.fit(WithBatchNorm(manual=accumulate == 1, late=late))
     return at_end.value
 
 
@@ -102,10 +110,14 @@ def reference(broadcast: bool, accumulate: int) -> list[Buffers]:
 
 
 @pytest.mark.parametrize(
-    ("stage", "broadcast", "accumulate"), [(0, True, 1), (3, True, 1), (2, False, 1), (2, True, 2)]
+    ("stage", "broadcast", "accumulate", "late"),
+    [(0, True, 1, True), (3, True, 1, False), (2, False, 1, False), (2, True, 2, False)],
 )
-def test_each_rank_runs_from_rank_zeros_buffers_as_under_ddp(stage: int, broadcast: bool, accumulate: int) -> None:
-    results = on_ranks(buffers_after_fit, stage, broadcast, accumulate)
+def test_each_rank_runs_from_rank_zeros_buffers_as_under_ddp(
+    stage: int, broadcast: bool, accumulate: int, late: bool
+) -> None:
+    """``late``: buffers made in ``configure_model`` are broadcast too (the strategy looks for them at its setup)."""
+    results = on_ranks(buffers_after_fit, stage, broadcast, accumulate, late)
     expected, other = reference(broadcast, accumulate), reference(not broadcast, accumulate)
     assert (other[1]["1.running_mean"] - expected[1]["1.running_mean"]).abs().max() > 1e-2  # the test can tell
     for rank in range(2):

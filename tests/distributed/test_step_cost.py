@@ -5,8 +5,8 @@ On 2 CPU ranks, the GAN pattern (D twice, then G through D) and distillation (a 
 stepped after 2 backwards) are fitted at ZeRO 0-3. From the second step on, every call of a ``torch.distributed``
 collective is put down to the first frame outside torch and DeepSpeed's ``comm`` that led to it, and every
 ``.item()``, ``.tolist()`` and ``bool(tensor)`` to its caller; those in this package are the strategy's own
-(the function that made each is counted), and so is every walk of the modules (``named_modules``, behind
-``parameters()`` and ``named_buffers()``) that this package starts. With
+(the function that made each is counted), and so is every module visited by a walk that this package starts
+(``named_modules``, behind ``parameters()`` and ``named_buffers()``). With
 ``find_unused_parameters=True`` the ranks agree after each backward, which the same count shows.
 """
 
