@@ -379,30 +379,21 @@ def clear_gradients(engine: DeepSpeedEngine) -> None:
 
 
 def _clear_offloaded_accumulation(optimizer: DeepSpeedZeroOptimizer) -> None:
-    """Drop what a ZeRO-1/2 optimizer with ``offload_optimizer`` accumulated in host memory since its last step.
+    """Drop what a ZeRO-1/2 optimizer with ``offload_optimizer`` holds in host memory for its next step.
 
     Between steps it keeps each reached parameter's gradient in ``accumulated_grads_in_cpu`` and the parameter's id
     in ``_offload_accumulated_param_ids``; ``step()`` applies every listed parameter's buffer and only ``step()``
     resets the list. Left after ``zero_grad()``, a parameter not reached again before the step would get the cleared
-    gradient applied. The in-flight copies into those buffers are waited for first. The fp32 gradient partition
-    is cleared too (:func:`_clear_offloaded_partition_gradients`).
+    gradient applied. It also steps ``single_partition_of_fp32_groups[i].grad``, a buffer it allocates once and never
+    clears (0.19.8: ``initialize_optimizer_states``, ``step``): each backward at the accumulation boundary copies in
+    the slices of the parameters it reached, so a parameter reached at one step and not at the next was stepped
+    again with its old gradient (plain DeepSpeed does the same when a step leaves a parameter unused). Both are
+    zeroed, after the in-flight copies into them.
     """
     optimizer._wait_for_offload_copies()
     optimizer._offload_accumulated_param_ids.clear()
     for buffer in optimizer.accumulated_grads_in_cpu.values():
         buffer.zero_()
-    _clear_offloaded_partition_gradients(optimizer)
-
-
-def _clear_offloaded_partition_gradients(optimizer: DeepSpeedZeroOptimizer) -> None:
-    """Zero the host fp32 gradient partition of a ZeRO-1/2 optimizer with ``offload_optimizer``.
-
-    The optimizer steps ``single_partition_of_fp32_groups[i].grad``, a buffer it allocates once and never clears
-    (0.19.8: ``initialize_optimizer_states``, ``step``): each backward at the accumulation boundary copies in the
-    slices of the parameters it reached, so a parameter reached at one step and not at the next was stepped again
-    with its old gradient. Plain DeepSpeed does the same when a step leaves a parameter unused.
-    """
-    optimizer._wait_for_offload_copies()
     _zero_gradients_of(optimizer.single_partition_of_fp32_groups)
 
 
