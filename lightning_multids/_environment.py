@@ -12,7 +12,13 @@ From the strategy's process-group start (``setup_distributed``) to its ``teardow
   ``~/.cache/torch_extensions/py311_cpu/``, a folder shared by every environment of that Python, whatever its
   torch or DeepSpeed: two virtual environments rebuild an op over each other (30-70 s each time). Unless
   ``TORCH_EXTENSIONS_DIR`` is set, it is set to a folder inside the running environment (``sys.prefix``), so each
-  environment builds once and keeps its build; teardown unsets it.
+  environment builds once and keeps its build; where that prefix is read-only (a shared cluster environment, a
+  container image), torch's own per-user default is left as it is. Teardown unsets it.
+- DeepSpeed reads ``LOCAL_RANK`` (and its launcher's ``RANK``/``WORLD_SIZE``) from the environment in every engine
+  it builds and in ``zero.Init``, and stops with an ``AssertionError`` where it is unset. Lightning's launcher and
+  ``torchrun`` set it; ``srun`` (SLURM), ``jsrun`` (LSF), Kubeflow and MPI do not, and Lightning's cluster
+  environments read their own variables instead. The three are set from Lightning's cluster environment
+  (:func:`set_launch_variables`, as Lightning's ``DeepSpeedStrategy`` does); teardown puts back what was there.
 - From ``setup``: torch 2.13 and 2.14 deprecate ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which
   DeepSpeed 0.19.8's ZeRO calls at every gather and reduction (torch 2.15 no longer does). Python's "once per
   place" does not hold during a fit (the registry that remembers a warning is cleared whenever the warning filters
@@ -80,17 +86,45 @@ def default_extensions_dir() -> Path:
 def keep_extensions_in_environment() -> Callable[[], None]:
     """Set ``TORCH_EXTENSIONS_DIR`` to :func:`default_extensions_dir` unless it is set already; return what undoes it.
 
+    Left unset where the environment's prefix is not writable (torch then builds in its per-user folder).
     The undo unsets the variable only if it still holds the value set here (a value set since is someone else's).
     """
-    if EXTENSIONS_VARIABLE in os.environ:
+    folder = default_extensions_dir()
+    if EXTENSIONS_VARIABLE in os.environ or not _writable(folder):
         return _nothing
-    value = os.environ[EXTENSIONS_VARIABLE] = str(default_extensions_dir())
+    return set_variables({EXTENSIONS_VARIABLE: str(folder)})
 
-    def unset() -> None:
-        if os.environ.get(EXTENSIONS_VARIABLE) == value:
-            del os.environ[EXTENSIONS_VARIABLE]
 
-    return unset
+def _writable(folder: Path) -> bool:
+    """Whether ``folder`` exists and is writable, or could be made in its nearest existing parent."""
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    return existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+"""What DeepSpeed reads of a launcher's environment (``deepspeed.initialize``, ``zero.Init``)."""
+
+
+def set_launch_variables(*, rank: int, world_size: int, local_rank: int) -> Callable[[], None]:
+    """Set :data:`LAUNCH_VARIABLES` to Lightning's ranks (from its cluster environment); return what undoes it."""
+    return set_variables(dict(zip(LAUNCH_VARIABLES, map(str, (rank, world_size, local_rank)), strict=True)))
+
+
+def set_variables(values: dict[str, str]) -> Callable[[], None]:
+    """Set environment variables; return what puts back each one set here that still holds the value set here."""
+    before = {key: os.environ.get(key) for key, value in values.items() if os.environ.get(key) != value}
+    os.environ.update({key: values[key] for key in before})
+
+    def undo() -> None:
+        for key, old in before.items():
+            if os.environ.get(key) != values[key]:
+                continue  # changed since: someone else's now
+            if old is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = old
+
+    return undo
 
 
 class _DropAcceleratorGuess(logging.Filter):

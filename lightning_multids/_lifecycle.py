@@ -19,6 +19,8 @@ methods and attributes, and ``engine.module is self.generator``. DeepSpeed conve
 
 from __future__ import annotations
 
+import argparse
+import os
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -51,6 +53,8 @@ from lightning_multids._planning import Plan, check_batch_settings, config_sched
 from lightning_multids._precision import autocast_off, cast_inputs, engine_dtype
 from lightning_multids._routing import Router
 
+CPU = torch.device("cpu")
+
 
 def build_engines(
     trainer: pl.Trainer,
@@ -60,7 +64,7 @@ def build_engines(
     default: Mapping[str, Any],
     overrides: Mapping[str, Mapping[str, Any]],
     precision: str,
-    device_type: str = "cpu",
+    device: torch.device = CPU,
     agree: Callable[[BaseException | None], None] = lambda error: None,
     averages: Mapping[str, Average] | None = None,
     find_unused: bool = False,
@@ -91,7 +95,7 @@ def build_engines(
                 override=overrides.get(name, {}),
                 precision=precision,
                 micro_batch_size=micro,
-                device_type=device_type,
+                device_type=device.type,
             )
             for name in {*overrides, *(name for name, _ in module.named_children())}
         }
@@ -102,12 +106,15 @@ def build_engines(
         plan = plan_engines(trainer, module, configs, overrides)
         for name in [*plan.matched, *plan.from_config]:
             check_accumulation_dtype(configs[name], f"the engine {name!r}")
+        check_zero3_device(
+            [n for n in [*plan.matched, *plan.from_config, *plan.frozen] if zero_stage(configs[n]) == 3], device
+        )
         check_averages(averages or {}, module, [*plan.matched, *plan.from_config], configs)
     result = EngineSet(router=Router(find_unused))
     try:
-        _build_trainable(result, module, plan, configs)
+        _build_trainable(result, module, plan, configs, device)
         for name, config in plan.frozen.items():
-            _add_frozen(result, name, build_frozen_engine(getattr(module, name), config))
+            _add_frozen(result, name, build_frozen_engine(getattr(module, name), config, device))
         _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
         result.averager = build_averager(averages or {}, module)
         if result.averager is not None:
@@ -126,7 +133,7 @@ def build_evaluation_engines(
     default: Mapping[str, Any],
     overrides: Mapping[str, Mapping[str, Any]],
     precision: str,
-    device_type: str = "cpu",
+    device: torch.device = CPU,
 ) -> EngineSet:
     """For validate, test and predict: an inference engine for each submodule that ZeRO-3 holds partitioned.
 
@@ -138,20 +145,24 @@ def build_evaluation_engines(
         if is_partitioned(child):
             override = merge(overrides.get(name, {}), {"zero_optimization": {"stage": 3}})
             config = engine_config(
-                name, stage=3, default=default, override=override, precision=precision, device_type=device_type
+                name, stage=3, default=default, override=override, precision=precision, device_type=device.type
             )
-            _add_frozen(result, name, build_engine(child, frozen_config(name, config, {})))
+            _add_frozen(result, name, build_engine(child, frozen_config(name, config, {}), device=device))
     return result
 
 
 def _build_trainable(
-    result: EngineSet, module: pl.LightningModule, plan: Plan, configs: Mapping[str, dict[str, Any]]
+    result: EngineSet,
+    module: pl.LightningModule,
+    plan: Plan,
+    configs: Mapping[str, dict[str, Any]],
+    device: torch.device,
 ) -> None:
     for name, index in plan.matched.items():
         optimizer = plan.optimizers[index]
         params = [list(group["params"]) for group in optimizer.param_groups]
         config = sized_buckets(configs[name], whole_numel(p for group in params for p in group))
-        engine = build_engine(getattr(module, name), config, optimizer)
+        engine = build_engine(getattr(module, name), config, optimizer, device=device)
         _add_trainable(result, name, engine, optimizer, params)
     # Schedulers from configure_optimizers stay the user's objects, in the user's order, stepped as under DDP:
     # by the user in manual optimization, by Lightning (interval, frequency, monitor) in automatic. They act on
@@ -159,7 +170,8 @@ def _build_trainable(
     result.scheduler_configs.extend(plan.scheduler_configs)
     for name in plan.from_config:
         trainable = [p for p in getattr(module, name).parameters() if p.requires_grad]
-        engine = build_engine(getattr(module, name), sized_buckets(configs[name], whole_numel(trainable)))
+        config = sized_buckets(configs[name], whole_numel(trainable))
+        engine = build_engine(getattr(module, name), config, device=device)
         _add_trainable(result, name, engine, ds_compat.torch_optimizer(engine), [trainable])
         if engine.lr_scheduler is not None:
             result.scheduler_configs.append(config_scheduler(name, engine, plan.manual))
@@ -222,11 +234,16 @@ def build_engine(
     config: dict[str, Any],
     optimizer: Optimizer | None = None,
     scheduler: Any = None,
+    *,
+    device: torch.device = CPU,
 ) -> DeepSpeedEngine:
-    """Wrap ``module`` in a DeepSpeed engine with ``optimizer`` and ``scheduler`` (owned by the engine).
+    """Wrap ``module`` in a DeepSpeed engine on ``device`` with ``optimizer`` and ``scheduler`` (owned by the engine).
 
-    Without ``optimizer``, DeepSpeed builds one from the config's ``optimizer`` section if it has one,
-    over the module's trainable parameters. The engine steps its scheduler in ``engine.step()``. Where DeepSpeed
+    DeepSpeed puts an engine on the device of index ``LOCAL_RANK`` unless told otherwise; Lightning's device is the
+    ``LOCAL_RANK``-th of the Trainer's ``devices``, which is another one for ``devices=[1]`` or ``[2, 3]``. So
+    DeepSpeed is given Lightning's device index, as Lightning's ``DeepSpeedStrategy`` gives it. Without
+    ``optimizer``, DeepSpeed builds one from the config's ``optimizer`` section if it has one, over the module's
+    trainable parameters. The engine steps its scheduler in ``engine.step()``. Where DeepSpeed
     fails halfway (out of memory), the hooks it had put on the module come off again; a ZeRO-3 module stays
     partitioned.
     """
@@ -239,12 +256,40 @@ def build_engine(
             lr_scheduler=scheduler,
             config=config,
             dist_init_required=False,
+            args=engine_arguments(device),
         )
     except BaseException:
         remove_hooks()
         ds_compat.forget_zero3_module_state(module)
         raise
     return engine
+
+
+def zero3_on_device(device: torch.device) -> bool:
+    """Whether ZeRO-3 would run on ``device``: DeepSpeed's ZeRO-3 puts some of its tensors on GPU ``LOCAL_RANK``.
+
+    ``zero.Init`` chooses its device, and ZeRO-3's checks that the ranks gather the same parameters in the same order
+    (its first steps) put their tensors, by ``LOCAL_RANK``, not by the engine's device.
+    """
+    return device.index is None or os.environ.get("LOCAL_RANK", "0") == str(device.index)
+
+
+def check_zero3_device(names: list[str], device: torch.device) -> None:
+    """Refuse ZeRO-3 engines ``names`` where ZeRO-3 would not run on ``device`` alone (:func:`zero3_on_device`)."""
+    if names and not zero3_on_device(device):
+        local = os.environ.get("LOCAL_RANK", "0")
+        raise ValueError(
+            f"The ZeRO-3 engine(s) {names} would run partly on GPU {local}: this process's device is {device} "
+            f"(the Trainer's `devices` list), and DeepSpeed's ZeRO-3 places some of its tensors by the process's "
+            f"local rank ({local}), whatever the engine's device. Choose the GPUs with CUDA_VISIBLE_DEVICES instead "
+            f"of a list, e.g. `CUDA_VISIBLE_DEVICES=2,3` with `Trainer(devices=2)`, or give these engines ZeRO-0/1/2 "
+            "in `engine_configs`, which run on the listed devices."
+        )
+
+
+def engine_arguments(device: torch.device) -> argparse.Namespace | None:
+    """What ``deepspeed.initialize(args=...)`` gets for an engine on ``device``: its index, where it has one."""
+    return None if device.index is None else argparse.Namespace(device_rank=device.index)
 
 
 def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
@@ -338,7 +383,7 @@ def detach(engine: DeepSpeedEngine, handles: Iterable[RemovableHandle]) -> None:
         engine.module.to(device="cpu", dtype=torch.get_default_dtype())
 
 
-def build_frozen_engine(module: nn.Module, config: dict[str, Any]) -> DeepSpeedEngine:
+def build_frozen_engine(module: nn.Module, config: dict[str, Any], device: torch.device = CPU) -> DeepSpeedEngine:
     """Wrap ``module`` in an inference engine: no gradients, no optimizer, always in eval mode.
 
     ``Trainer.fit`` puts the LightningModule in train mode at every epoch; the frozen submodule ignores it
@@ -347,7 +392,7 @@ def build_frozen_engine(module: nn.Module, config: dict[str, Any]) -> DeepSpeedE
     module.requires_grad_(False)
     module.eval()
     module.train = types.MethodType(_stay_in_eval, module)  # type: ignore[method-assign]
-    return build_engine(module, config)
+    return build_engine(module, config, device=device)
 
 
 def _stay_in_eval(module: nn.Module, mode: bool = True) -> nn.Module:

@@ -45,7 +45,11 @@ from lightning_multids._config import load_config, merge, validate_stage, zero3_
 from lightning_multids._discovery import check_engine_names
 from lightning_multids._ema import EmaArgument, average_entries, check_average_names, parse_averages
 from lightning_multids._engines import EngineSet
-from lightning_multids._environment import hide_zero_deprecations, keep_extensions_in_environment
+from lightning_multids._environment import (
+    hide_zero_deprecations,
+    keep_extensions_in_environment,
+    set_launch_variables,
+)
 from lightning_multids._gradients import refuse_engine_clipping
 from lightning_multids._lifecycle import (
     agree_on_failure,
@@ -55,6 +59,7 @@ from lightning_multids._lifecycle import (
     release_engines,
     sync_replicated_states,
     zero3_init,
+    zero3_on_device,
 )
 from lightning_multids._model_summary import count_partitioned
 from lightning_multids._planning import check_clip_algorithm, warn_clipping_overrides
@@ -177,6 +182,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._show_zero_deprecations: Callable[[], None] = _nothing
         self._unguard_gradients: Callable[[], None] = _nothing
         self._unset_extensions_dir: Callable[[], None] = _nothing
+        self._unset_launch_variables: Callable[[], None] = _nothing
 
     @property
     def engines(self) -> dict[str, DeepSpeedEngine]:
@@ -237,7 +243,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """Check DeepSpeed, point it at Lightning's accelerator, start torch.distributed as DDP does, share the group.
 
         DDP chooses the process group backend from the device (gloo on CPU, nccl on CUDA); DeepSpeed's comm
-        layer and engines then run on the same accelerator as Lightning. Until :meth:`teardown`, DeepSpeed's
+        layer and engines then run on the same accelerator as Lightning, and DeepSpeed reads Lightning's ranks from
+        ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (set from the cluster environment, for launchers that set none of
+        them, such as ``srun``). Until :meth:`teardown`, DeepSpeed's
         JIT-built ops go to a folder of this environment unless ``TORCH_EXTENSIONS_DIR`` is set
         (:func:`~lightning_multids._environment.keep_extensions_in_environment`).
         """
@@ -247,6 +255,10 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         ds_accelerator.follow(self.root_device.type)
         ds_compat.forget_destroyed_groups()  # a fit after `torch.distributed.destroy_process_group()`
         super().setup_distributed()
+        self._unset_launch_variables()  # a start after one whose teardown did not run
+        self._unset_launch_variables = set_launch_variables(  # srun, jsrun, Kubeflow and MPI set no LOCAL_RANK
+            rank=self.global_rank, world_size=self.world_size, local_rank=self.local_rank
+        )
         backend = process_group_backend(self)
         with ds_compat.comm_without_inference_op():  # a CPU op only inference uses: not built
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
@@ -295,7 +307,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 default=self.config,
                 overrides=self._entries,
                 precision=str(self.precision_plugin.precision),
-                device_type=self.root_device.type,
+                device=self.root_device,
             )
         self.setup_precision_plugin()
         self._start_arrival()
@@ -321,7 +333,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             default=self.config,
             overrides=self._entries,
             precision=str(self.precision_plugin.precision),
-            device_type=self.root_device.type,
+            device=self.root_device,
             agree=functools.partial(
                 agree_on_failure, world_size=self.world_size, rank=self.global_rank, device=self.root_device
             ),
@@ -354,7 +366,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         config = zero3_init_config(
             self.stage, self.config, self._entries, precision=str(self.precision_plugin.precision)
         )
-        if config is None:
+        if config is None or not zero3_on_device(self.root_device):  # setup refuses the latter, on every rank
             yield
             return
         with zero3_init(config):
@@ -705,6 +717,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._show_zero_deprecations = _nothing
         self._unset_extensions_dir()
         self._unset_extensions_dir = _nothing
+        self._unset_launch_variables()
+        self._unset_launch_variables = _nothing
         if self.lightning_module is not None and trainer_of(self.lightning_module) is not None:
             forget_requested(self.lightning_module.trainer)  # the dataloaders the engines were sized from
         super().teardown()  # as DDP: reverts sync_batchnorm, moves the module to the CPU

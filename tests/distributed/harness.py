@@ -40,6 +40,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+RankEnv = Callable[[int], dict[str, str | None]]
+"""A rank's own variables, from its rank (``None`` unsets)."""
+
+
 def run_ranks(
     script: Path,
     *args: str,
@@ -48,8 +52,12 @@ def run_ranks(
     env: dict[str, str | None] | None = None,
     nodes: int = 1,
     fresh: bool = False,
+    rank_env: RankEnv | None = None,
 ) -> list[str]:
     """Run ``script args`` once per rank (with extra ``env``, where ``None`` unsets); return each rank's output.
+
+    ``rank_env(rank)``, where given, adds each rank's own variables after ``env`` (``None`` unsets), as a cluster's
+    launcher sets them (``SLURM_PROCID``, ...).
 
     Fails with the ranks' output if one fails or ``timeout`` passes.
 
@@ -62,11 +70,12 @@ def run_ranks(
     (``EADDRINUSE``, raised where the process group starts) runs once more on another port.
     """
     try:
-        return _launch(script, args, rank_environments(world_size, env or {}, nodes), timeout, fresh)
+        return _launch(script, args, rank_environments(world_size, env or {}, nodes, rank_env), timeout, fresh)
     except AssertionError as error:
         if PORT_TAKEN not in str(error):
             raise
-        return _launch(script, args, rank_environments(world_size, env or {}, nodes), timeout, fresh)  # chained
+        environments = rank_environments(world_size, env or {}, nodes, rank_env)
+        return _launch(script, args, environments, timeout, fresh)  # chained
 
 
 PORT_TAKEN = "EADDRINUSE"
@@ -85,8 +94,12 @@ FRESH_VARIABLE = "TEST_FRESH_RANKS"
 """Set (to anything) in the caller's environment, every launch starts new interpreters: to tell the two apart."""
 
 
-def rank_environments(world_size: int, extra_env: dict[str, str | None], nodes: int) -> list[dict[str, str]]:
-    """Each rank's whole environment: the caller's, the launch's variables, then ``extra_env`` (``None`` unsets)."""
+def rank_environments(
+    world_size: int, extra_env: dict[str, str | None], nodes: int, rank_env: RankEnv | None = None
+) -> list[dict[str, str]]:
+    """Each rank's whole environment: the caller's, the launch's variables, ``extra_env``, then ``rank_env(rank)``.
+
+    ``None`` unsets a variable."""
     port = str(free_port())
     environments = []
     for rank in range(world_size):
@@ -102,9 +115,10 @@ def rank_environments(world_size: int, extra_env: dict[str, str | None], nodes: 
             PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
             OMP_NUM_THREADS="1",
         )
-        env.update({key: value for key, value in extra_env.items() if value is not None})
-        for key in [key for key, value in extra_env.items() if value is None]:
-            env.pop(key, None)
+        for extra in (extra_env, rank_env(rank) if rank_env is not None else {}):
+            env.update({key: value for key, value in extra.items() if value is not None})
+            for key in [key for key, value in extra.items() if value is None]:
+                env.pop(key, None)
         environments.append(env)
     return environments
 
@@ -266,6 +280,7 @@ def on_ranks(
     env: dict[str, str | None] | None = None,
     nodes: int = 1,
     fresh: bool = False,
+    rank_env: RankEnv | None = None,
 ) -> list[Any]:
     """Call ``function(*args)`` on every rank, each in a process of its own; return the results in rank order.
 
@@ -275,7 +290,14 @@ def on_ranks(
     with tempfile.TemporaryDirectory() as folder:
         command = _command(Path(folder), function, args, caller="on_ranks")
         run_ranks(
-            Path(command[0]), *command[1:], world_size=world_size, timeout=timeout, env=env, nodes=nodes, fresh=fresh
+            Path(command[0]),
+            *command[1:],
+            world_size=world_size,
+            timeout=timeout,
+            env=env,
+            nodes=nodes,
+            fresh=fresh,
+            rank_env=rank_env,
         )
         return [torch.load(f"{command[-1]}.{rank}", weights_only=False) for rank in range(world_size)]
 
