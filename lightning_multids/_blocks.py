@@ -299,10 +299,17 @@ def _choose(names: tuple[str, ...], records: Mapping[str, EngineRecord]) -> list
 
 def _check_supported(name: str, engine: DeepSpeedEngine) -> None:
     stage = engine.zero_optimization_stage()
-    offload_param = engine.zero_offload_param()
+    offload_param, offload_optimizer = engine.zero_offload_param(), engine.zero_offload_optimizer()
     problem = ""
     if stage == 0:
         problem = "it is at ZeRO-0, whose optimizer DeepSpeed cannot move; give it stage 1, 2 or 3"
+    elif offload_optimizer is not None and offload_optimizer.device != OffloadDeviceEnum.none:
+        # DeepSpeed's reload_states() would bring the fp32 master copy to the GPU, where DeepSpeedCPUAdam refuses it
+        problem = (
+            "its optimizer states live in host memory already (`offload_optimizer`), so the block would free "
+            "nothing, and DeepSpeed's reload would move them to the GPU, where its CPU optimizer cannot step them; "
+            "leave this engine out of the block"
+        )
     elif offload_param is not None and offload_param.device != OffloadDeviceEnum.none:
         problem = "its parameters are offloaded already (`offload_param`), which DeepSpeed refuses to combine"
     elif stage == 3 and not isinstance(ds_compat.torch_optimizer(engine), FusedAdam):

@@ -22,14 +22,18 @@ from typing_extensions import override
 
 from lightning_multids._optimizer import EngineOptimizer
 
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+"""The Trainer's mixed-precision flags and the dtype Lightning's ``MixedPrecision`` autocasts each to."""
+
 
 class EnginePrecision(Precision):
-    """Keeps the Trainer's ``precision`` flag for the engine configs; under ``bf16-mixed``, autocast as DDP has.
+    """Keeps the Trainer's ``precision`` flag for the engine configs; under mixed precision, autocast as DDP has.
 
     Each DeepSpeed engine runs its own precision from its config (engines cast their own inputs, see
     :func:`cast_inputs`). What runs outside the engines (a plain head fed by an engine, a loss with an fp32 weight)
-    runs under ``torch.autocast(bfloat16)`` in the steps' forward, as Lightning's ``MixedPrecision`` runs it under
-    ``DDPStrategy``; so do the bf16 engines' submodules, whose weights are bf16 already. An fp32 engine (an EMA
+    runs under ``torch.autocast`` (bf16 under ``bf16-mixed``, fp16 under ``16-mixed``) in the steps' forward, as
+    Lightning's ``MixedPrecision`` runs it under ``DDPStrategy``; so do the 16-bit engines' submodules, whose weights
+    are in that dtype already. An fp32 engine (an EMA
     engine, an engine whose config turns bf16 off) runs its forward with autocast off (:func:`autocast_off`).
 
     Args:
@@ -45,11 +49,16 @@ class EnginePrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Iterator[None]:
-        """Autocast to bf16 under ``bf16-mixed`` (``cache_enabled=False``, as Lightning's ``MixedPrecision``)."""
-        if self.precision != "bf16-mixed":
+        """Autocast under ``bf16-mixed`` and ``16-mixed`` (``cache_enabled=False``), as Lightning's ``MixedPrecision``.
+
+        To bf16 under ``bf16-mixed``, to fp16 under ``16-mixed``: a plain fp32 submodule fed by an fp16 engine then
+        runs as under ``DDPStrategy(precision="16-mixed")`` instead of failing on the dtypes.
+        """
+        dtype = AUTOCAST_DTYPES.get(str(self.precision))
+        if dtype is None:
             yield
             return
-        with torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=False):
+        with torch.autocast(self.device, dtype=dtype, cache_enabled=False):
             yield
 
     @override

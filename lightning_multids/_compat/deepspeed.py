@@ -51,6 +51,7 @@ from deepspeed.utils import groups as ds_groups
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_set_full_fp32_param
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from torch._utils import _unflatten_dense_tensors
 from torch.optim import Optimizer
 
 from lightning_multids._compat import torch as torch_compat
@@ -429,10 +430,11 @@ def take_weight_edits(engine: DeepSpeedEngine) -> None:
     weights from it, so an in-place edit (``p.data.clamp_``, ``load_state_dict``) would be lost at the next step. Each
     master partition takes the module's partition (``parallel_partitioned_bit16_groups`` /
     ``bf16_partitioned_groups``; ``FP16_UnfusedOptimizer``'s ``fp16_groups`` and ``fp32_groups`` per parameter, which
-    DeepSpeed uses for bf16 at ZeRO-0 with a torch optimizer) where they differ: in fp32 a copy; in bf16 the elements
-    whose bf16 value is no longer the master's rounded, so that unedited weights keep their fp32 precision; with an
-    offloaded optimizer the master copy is in host memory, and the weights are read there. Not for fp16's
-    ``FP16_Optimizer`` (untested here: fp16 needs a GPU), nor ZeRO-3, whose weights outside ``forward`` are empty
+    DeepSpeed uses for bf16 at ZeRO-0 with a torch optimizer; ``FP16_Optimizer``'s ``fp16_groups`` and views of its
+    ``fp32_groups_flat``, for ZeRO-0 in bf16/fp16 with DeepSpeed's ``FusedAdam``) where they differ: in fp32 a copy;
+    in bf16 the elements whose bf16 value is no longer the master's rounded, so that unedited weights keep their fp32
+    precision; with an offloaded optimizer the master copy is in host memory, and the weights are read there. Not
+    for ZeRO-3, whose weights outside ``forward`` are empty
     partitions (edits go through ``gathered(name, modifier_rank=...)``, :func:`set_master_weights`).
     """
     optimizer = engine.optimizer
@@ -445,7 +447,12 @@ def take_weight_edits(engine: DeepSpeedEngine) -> None:
             for pair in zip(weights, master, strict=True):
                 _take_edits(*pair)
         return
-    else:  # a torch optimizer steps the module's own weights (ZeRO-0 in fp32); FP16_Optimizer, ZeRO-3: not carried
+    elif isinstance(optimizer, FP16_Optimizer):  # ZeRO-0 in bf16/fp16 with DeepSpeed's FusedAdam (a CUDA op)
+        for weights, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat, strict=True):
+            for pair in zip(weights, _unflatten_dense_tensors(flat, weights), strict=True):  # views of the master
+                _take_edits(*pair)
+        return
+    else:  # a torch optimizer steps the module's own weights (ZeRO-0 in fp32); ZeRO-3: not carried
         return
     for index, (partitions, master) in enumerate(zip(low, high, strict=True)):
         _take_edits(partitions[torch.distributed.get_rank(group=optimizer.real_dp_process_group[index])], master)

@@ -1,4 +1,5 @@
-"""``strategy.offloaded`` refusals that need no process group: no names, and an engine with offloaded parameters."""
+"""``strategy.offloaded`` refusals that need no process group: no names, an engine with offloaded parameters or
+optimizer states."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ from tests.fakes import engine_set, fake_optimizer
 class Engine:
     """What ``offloaded`` reads of a DeepSpeed engine before it moves anything."""
 
-    def __init__(self, stage: int, offload_param: Any = None) -> None:
-        self.stage, self.offload_param = stage, offload_param
+    def __init__(self, stage: int, offload_param: Any = None, offload_optimizer: Any = None) -> None:
+        self.stage, self.offload_param, self.offload_optimizer = stage, offload_param, offload_optimizer
 
     def zero_optimization_stage(self) -> int:
         return self.stage
 
     def zero_offload_param(self) -> Any:
         return self.offload_param
+
+    def zero_offload_optimizer(self) -> Any:
+        return self.offload_optimizer
 
 
 def records(name: str, engine: Engine) -> Any:
@@ -38,5 +42,13 @@ def test_no_names_is_refused_with_the_names_to_choose_from() -> None:
 def test_an_engine_with_offloaded_parameters_is_refused_by_name() -> None:
     engine = Engine(3, SimpleNamespace(device=OffloadDeviceEnum.cpu))
     expected = r"`offloaded\('actor'\)`: .*its parameters are offloaded already"
+    with pytest.raises(ValueError, match=expected), offloaded(("actor",), records("actor", engine)):
+        pass
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_engine_whose_optimizer_is_offloaded_already_is_refused_by_name(stage: int) -> None:
+    engine = Engine(stage, offload_optimizer=SimpleNamespace(device=OffloadDeviceEnum.cpu))
+    expected = r"`offloaded\('actor'\)`: .*optimizer states live in host memory already .*leave this engine out"
     with pytest.raises(ValueError, match=expected), offloaded(("actor",), records("actor", engine)):
         pass

@@ -4,10 +4,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_multids._compat.deepspeed import loss_scale
-from lightning_multids._precision import cast_inputs, loss_scaling
+from lightning_multids._precision import EnginePrecision, cast_inputs, loss_scaling
 from tests.fakes import FakeEngine, routed_engine_set
 
 
@@ -102,3 +103,21 @@ def test_the_input_cast_hook_casts_floating_inputs_to_the_engine_dtype_and_leave
     parameter = nn.Parameter(torch.randn(2))  # a tensor subclass takes the general way, and is cast as well
     args, _ = hook(module, (parameter,), {})
     assert args[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("flag", "dtype"), [("16-mixed", torch.float16), ("bf16-mixed", torch.bfloat16), ("32-true", None)]
+)
+def test_the_steps_autocast_what_runs_outside_the_engines_as_lightnings_mixed_precision(
+    flag: str, dtype: torch.dtype | None
+) -> None:
+    """A plain fp32 head fed by a 16-bit engine's output: under DDP's ``MixedPrecision`` it runs autocast."""
+    head, features = nn.Linear(3, 1), torch.ones(2, 3, dtype=dtype or torch.float32)
+    outputs = []
+    plugins = [EnginePrecision(flag, "cpu")]
+    if dtype is not None:
+        plugins.append(MixedPrecision(flag, "cpu"))  # type: ignore[arg-type]
+    for plugin in plugins:
+        with plugin.forward_context():
+            outputs.append(head(features))
+    assert {output.dtype for output in outputs} == {dtype or torch.float32}
