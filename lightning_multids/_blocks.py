@@ -120,20 +120,24 @@ class Arrival:
     that went on and exchange the wrong tensors. The check-in is an all-gather of the block's name (a checksum) in
     a gloo group whose timeout is ``timeout``: it never meets the blocks' own collectives, whatever the backend, and
     it fails on every rank that waits. (``torch.distributed.monitored_barrier`` bounds the wait on rank 0 only.)
-    Creating the group is a collective: every rank does it at the same point of setup.
+    The group is made at the first check-in, so a fit that enters no such block makes none (where gloo cannot pick
+    a network interface, only ``gathered`` needs one); making it is a collective bounded by ``timeout`` too, and
+    every rank reaches it at the same block.
     """
 
     def __init__(self, timeout: timedelta) -> None:
         self.timeout = timeout
-        self.group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+        self.group: torch.distributed.ProcessGroup | None = None
 
     def __call__(self, block: str) -> None:
         """Wait until every rank is at ``block``; raise a RuntimeError after ``timeout``, or if a rank is elsewhere."""
         mine = torch.tensor([zlib.crc32(block.encode())], dtype=torch.int64)
-        everyone = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size(self.group))]
         try:
+            if self.group is None:
+                self.group = torch.distributed.new_group(backend="gloo", timeout=self.timeout)
+            everyone = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size(self.group))]
             torch.distributed.all_gather(everyone, mine, group=self.group)
-        except RuntimeError as error:
+        except RuntimeError as error:  # torch.distributed.DistError (a timeout) is one
             raise RuntimeError(
                 f"`{block}` did not meet every rank within {self.timeout} ({error}). It gathers a ZeRO-3 "
                 "engine's partitions from every rank, or broadcasts an edit to every rank, so every rank must enter "
@@ -149,8 +153,10 @@ class Arrival:
             )
 
     def close(self) -> None:
-        """Destroy the group (no collective)."""
-        torch.distributed.destroy_process_group(self.group)
+        """Destroy the group, where one was made (no collective)."""
+        if self.group is not None:
+            torch.distributed.destroy_process_group(self.group)
+            self.group = None
 
 
 def refuse_outside_run(call: str, engines: Collection[str], run: str = "`Trainer.fit`") -> None:

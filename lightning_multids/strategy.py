@@ -98,10 +98,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             stage (its ``engine_configs`` entry), starts as a copy of its source and follows each of its steps as
             ``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn(decay)`` would. Saved with every
             checkpoint and resumed (see :mod:`lightning_multids._ema`).
-        gathered_timeout: how long :meth:`gathered` of a ZeRO-3 engine waits for every rank to enter it before it
-            raises, instead of waiting in its all-gather for ``timeout``; separate from ``timeout``, so raise it too
-            where ranks reach a block further apart. ``None`` turns the check off (a gloo group, made at setup where
-            some engine is ZeRO-3, and one small all-gather per block).
+        gathered_timeout: how long :meth:`gathered` of a ZeRO-3 engine (or with ``modifier_rank`` at any stage)
+            waits for every rank to enter it before it raises, instead of waiting in its collectives for ``timeout``;
+            separate from ``timeout``, so raise it too where ranks reach a block further apart. ``None`` turns the
+            check off (a gloo group, made at the first such block of a fit on several ranks, and one small all-gather
+            per block).
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm's running statistics) to every rank at the start of
             each ``training_step``, as ``DDPStrategy(broadcast_buffers=True)``, its default, does before each forward;
             one coalesced broadcast a step where the module has buffers. As under DDP, which looks for buffers when

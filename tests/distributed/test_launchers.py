@@ -15,7 +15,9 @@ from Lightning's cluster environment, every one without ``LOCAL_RANK`` stopped i
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -23,12 +25,14 @@ import torch
 from lightning.fabric.plugins.environments import KubeflowEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 
+import lightning_multids
 from lightning_multids import MultiDeepSpeedStrategy
 from tests import patterns
 from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
 from tests.distributed.harness import RankEnv, on_ranks
 
 STEPS = 3
+PACKAGE = str(Path(lightning_multids.__file__).parent)
 UNSET_LAUNCH = {"LOCAL_RANK": None, "RANK": None, "WORLD_SIZE": None, "NODE_RANK": None}
 """The harness's own launch variables, which these launchers do not set (each sets its own)."""
 
@@ -57,8 +61,11 @@ def _weights(strategy: pl.strategies.Strategy) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone() for key, value in strategy.lightning_module.state_dict().items()}
 
 
-def fit_under_launcher(stages: list[int], nodes: int, kubeflow: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """On each rank: fit :class:`Gan` under ``DDPStrategy``, then under the strategy at each of ``stages``."""
+def fit_under_launcher(stages: list[int], nodes: int, kubeflow: bool) -> dict[str, tuple[dict[str, Any], int]]:
+    """On each rank: fit :class:`Gan` under ``DDPStrategy``, then under the strategy at each of ``stages``.
+
+    Each fit's weights, and how many process groups the package made in it (DeepSpeed's own not counted).
+    """
     strategies: dict[str, pl.strategies.Strategy] = {
         "ddp": DDPStrategy(process_group_backend="gloo", find_unused_parameters=True),  # one backward per model
         **{f"zero{stage}": MultiDeepSpeedStrategy(stage=stage) for stage in stages},
@@ -73,9 +80,30 @@ def fit_under_launcher(stages: list[int], nodes: int, kubeflow: bool) -> dict[st
             use_distributed_sampler=False,
             enable_checkpointing=False,
         )
-        trainer.fit(Gan())
-        results[name] = at_end.value
+        made = _groups_made_by(PACKAGE)
+        try:
+            trainer.fit(Gan())
+        finally:
+            torch.distributed.new_group = made.original  # type: ignore[assignment]
+        results[name] = (at_end.value, made.count)
     return results
+
+
+class _Counted:
+    def __init__(self, original: Any) -> None:
+        self.original, self.count = original, 0
+
+
+def _groups_made_by(folder: str) -> _Counted:
+    """Count the calls of ``torch.distributed.new_group`` made by code in ``folder`` until the original is put back."""
+    made = _Counted(torch.distributed.new_group)
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        made.count += sys._getframe(1).f_code.co_filename.startswith(folder)
+        return made.original(*args, **kwargs)
+
+    torch.distributed.new_group = new_group  # type: ignore[assignment]
+    return made
 
 
 def slurm(rank: int) -> dict[str, str | None]:
@@ -145,10 +173,11 @@ def test_each_launcher_gives_ddps_weights(launcher: str, tmp_path: Path) -> None
     results = on_ranks(
         fit_under_launcher, LAUNCHES[launcher], nodes, launcher == "kubeflow", rank_env=variables[launcher]
     )[0]
-    expected = results.pop("ddp")
+    expected, _ = results.pop("ddp")
     initial = patterns.weights(*patterns.make_modules())
     assert max((expected[key] - value).abs().max().item() for key, value in initial.items()) > 1e-3, "nothing trained"
-    for name, weights in results.items():
+    for name, (weights, groups) in results.items():
+        assert groups == 0, f"{launcher} {name}: a fit that enters no `gathered` block made {groups} group(s)"
         assert weights.keys() == expected.keys(), name
         for key, value in expected.items():
             torch.testing.assert_close(weights[key], value, rtol=0, atol=1e-6, msg=f"{launcher} {name} {key}")
