@@ -22,9 +22,11 @@ def skip_nonfinite_steps(engine: DeepSpeedEngine) -> RemovableHandle | None:
     The check runs on the gradients after the reduction, where every rank sees the same verdict, so it
     costs no collective of its own. DeepSpeed's optimizers check already, or are made to
     (:func:`~lightning_multids._compat.deepspeed.ensure_nonfinite_check`), and skip the step (``engine.skipped_steps``
-    grows). A plain torch optimizer (stage 0, fp32) checks nothing: a step pre-hook on it raises
-    :class:`NonFiniteGradients` before it updates anything (the reduced gradients are the same on every rank
-    at stage 0, so every rank raises); its handle is returned, for teardown.
+    grows). A plain torch optimizer (stage 0, fp32) checks nothing, as under ``DDPStrategy``: the step is applied,
+    NaN and all, unless ``Trainer(detect_anomaly=True)`` (torch's anomaly mode) is on. A step pre-hook on it then
+    raises :class:`NonFiniteGradients` before it updates anything (the reduced gradients are the same on every rank
+    at stage 0, so every rank raises); its handle is returned, for teardown. The check reads a flag, a host-device
+    sync on a GPU, so the default step does not make it.
     """
     if ds_compat.ensure_nonfinite_check(engine) or not isinstance(engine.optimizer, torch.optim.Optimizer):
         return None
@@ -33,7 +35,10 @@ def skip_nonfinite_steps(engine: DeepSpeedEngine) -> RemovableHandle | None:
 
 def _refuse_nonfinite(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     # GradScaler's fused check, values left as they are, and one read (a device sync on a GPU): the same read that
-    # DeepSpeed's own check makes at bf16 stage 0 (the overflow check of `FP16_Optimizer` over bf16 weights).
+    # DeepSpeed's own check makes at bf16 stage 0 (the overflow check of `FP16_Optimizer` over bf16 weights). Only
+    # under anomaly mode, where the user asked for checks that cost time.
+    if not torch.is_anomaly_enabled():
+        return
     grads = [grad for group in optimizer.param_groups for p in group["params"] if (grad := p.grad) is not None]
     if grads and any_nonfinite(grads):
         raise NonFiniteGradients

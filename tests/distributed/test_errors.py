@@ -416,7 +416,8 @@ TRAINER_KWARGS: dict[str, dict] = {
 
 NAN_RUNS: dict[str, tuple[int, str, dict]] = {
     # name: (stage, Trainer precision, discriminator's DeepSpeed config). Each is a different place that
-    # refuses the step: the torch optimizer's pre-hook (stage 0, fp32), BF16_Optimizer's norm (stage 0, bf16),
+    # refuses the step, or applies it: the torch optimizer (stage 0, fp32) applies it, as under DDP (its pre-hook
+    # refuses it only under anomaly mode, tests/unit/test_nonfinite.py), BF16_Optimizer's norm (stage 0, bf16),
     # the ZeRO-1/2 gradient norm (fp32), the ZeRO-1/2 overflow check (bf16, and forced on where a config turns
     # it and the norm off), the ZeRO-3 norm.
     "zero0": (0, "32-true", {}),
@@ -434,7 +435,8 @@ class WeightsBefore(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: object, index: int) -> None:
         if index == 1:
-            self.weights = trainer.strategy.consolidated_state_dict()
+            # copies: at ZeRO-0 the state dict shares the weights' storage, as a module's state_dict does
+            self.weights = {key: value.clone() for key, value in trainer.strategy.consolidated_state_dict().items()}
 
 
 def nan_run(name: str, messages: dict[str, str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -582,7 +584,22 @@ def test_scenario_raises_a_clear_error_on_every_rank(results: dict[int, dict[str
         assert re.search(EXPECTED[scenario], messages[scenario]), f"rank {rank}: {messages[scenario]}"
 
 
-@pytest.mark.parametrize("run", list(NAN_RUNS))
+APPLIED_AS_DDP = "zero0"
+"""The NaN run whose step is applied, as ``DDPStrategy`` applies it: a torch optimizer at ZeRO-0 in fp32."""
+
+
+def test_at_zero0_in_fp32_a_nan_step_is_applied_as_under_ddp(
+    results: dict[int, dict[str, str]], weights_after_nan: dict[str, dict[str, dict[str, torch.Tensor]]]
+) -> None:
+    """No flag is read in the default step (a host-device sync on a GPU): the NaN reaches the weights, as DDP's."""
+    for rank, messages in results.items():
+        assert f"nan_{APPLIED_AS_DDP}" not in messages, f"rank {rank}: {messages[f'nan_{APPLIED_AS_DDP}']}"
+    weights = weights_after_nan[APPLIED_AS_DDP]
+    assert all(torch.isfinite(value).all() for value in weights["before"].values())
+    assert not all(torch.isfinite(weights["after"][key]).all() for key in weights["after"] if "discriminator" in key)
+
+
+@pytest.mark.parametrize("run", [run for run in NAN_RUNS if run != APPLIED_AS_DDP])
 def test_nan_gradient_in_one_engine_is_reported_and_changes_no_weights(
     results: dict[int, dict[str, str]], weights_after_nan: dict[str, dict[str, dict[str, torch.Tensor]]], run: str
 ) -> None:

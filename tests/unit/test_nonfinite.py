@@ -25,10 +25,22 @@ def test_a_step_with_a_nonfinite_gradient_is_refused_before_it_updates(bad: floa
     params[2].grad = torch.tensor([-0.0, bad, 1e-45, 3.0])  # -0 and a subnormal: kept bit for bit by the check
     before = [p.detach().clone() for p in params]
     grads = [p.grad.clone() for p in params]
-    with pytest.raises(NonFiniteGradients):
+    with pytest.raises(NonFiniteGradients), torch.autograd.set_detect_anomaly(True):  # Trainer(detect_anomaly=True)
         optimizer.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
     assert all(torch.equal(p.grad.view(torch.int32), g.view(torch.int32)) for p, g in zip(params, grads, strict=True))
+    handle.remove()
+
+
+def test_without_anomaly_mode_a_nonfinite_step_is_applied_as_under_ddp_and_nothing_is_read() -> None:
+    """The default step reads no flag (a host-device sync on a GPU): a NaN gradient is applied, as DDP applies it."""
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    handle = skip_nonfinite_steps(SimpleNamespace(optimizer=optimizer, fp16_enabled=lambda: False))  # type: ignore[arg-type]
+    assert handle is not None
+    param.grad = torch.tensor([float("nan"), 1.0])
+    optimizer.step()
+    assert param.data[0].isnan() and param.data[1] == 0.9
     handle.remove()
 
 
