@@ -35,7 +35,7 @@ LANE_TARGETS ?= pytest
 # `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
 # `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
 unexport VENV PYTHON TORCH_SPEC WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
-.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch lm-grid clean
+.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels gpu-wheels-proof pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch lm-grid clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -109,17 +109,40 @@ test-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(STAMP))
 gpu-check:
 	bash benchmarks/gpu_check.sh
 
-# The venv's versions of what the GPU machine lacks, as Python 3.12 wheels for x86-64 Linux, in .gpu/whl.
-GPU_WHEELS := hjson pydantic pydantic.core annotated.types typing.inspection typing.extensions jsonargparse \
-	docstring.parser typeshed.client
+# What the GPU machine lacks, as wheels for its Python (GPU_PY_VERSION) on x86-64 Linux, in GPU_WHEEL_DIR: DeepSpeed
+# (built here) and what `import deepspeed` and its JIT builds import, jsonargparse for the CLI, pytest-xdist and
+# pytest-timeout. Each at the venv's version where the venv has it. The machine has Python 3.12, torch, Lightning,
+# torchmetrics, tensorboard, scikit-learn and pytest, and no network (the device tool's page).
+GPU_PY_VERSION ?= 3.12
+GPU_WHEEL_DIR ?= .gpu/whl
+GPU_WHEELS := einops msgpack psutil ninja py-cpuinfo hjson pydantic pydantic-core annotated-types typing-inspection \
+	typing-extensions jsonargparse docstring-parser typeshed-client pytest-xdist execnet pytest-timeout
 gpu-wheels: $(STAMP)
-	rm -rf .gpu/whl && mkdir -p .gpu/whl
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu/whl \
-		$$($(PY) -m pip list --format=freeze 2>/dev/null | grep -i -E '^($(subst $(eval) ,|,$(GPU_WHEELS)))==' )
-	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl \
+	rm -rf $(GPU_WHEEL_DIR) && mkdir -p $(GPU_WHEEL_DIR)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY_VERSION) --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+		-d $(GPU_WHEEL_DIR) $$($(PY) benchmarks/gpu_wheels.py pins $(GPU_WHEELS))
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(GPU_WHEEL_DIR) \
 		$$($(PY) -m pip list --format=freeze 2>/dev/null | grep -i '^deepspeed==')
-	ls .gpu/whl
+	ls $(GPU_WHEEL_DIR)
+
+# Proves the carried wheels complete before a GPU is spent on them: the same list for this machine's Python 3.11,
+# installed as benchmarks/gpu_check.sh installs it (--no-index) into a new venv holding only what the GPU machine
+# has, which then imports DeepSpeed, the package and the CLI and collects the GPU suite under pytest-xdist; and
+# every wheel of $(GPU_WHEEL_DIR) is checked to install on CPython $(GPU_PY_VERSION) (its tags) with what it requires
+# there carried or on the GPU machine (benchmarks/gpu_wheels.py check).
+GPU_PROOF := .venv-gpu-proof
+gpu-wheels-proof: gpu-wheels
+	$(MAKE) gpu-wheels GPU_PY_VERSION=3.11 GPU_WHEEL_DIR=.gpu/whl-proof
+	rm -rf $(GPU_PROOF) /tmp/gpu-proof-site && $(PYTHON) -m venv $(GPU_PROOF)
+	$(GPU_PROOF)/bin/pip install -q "torch==$(PINNED_TORCH)" "lightning==2.6.6" torchmetrics tensorboard \
+		scikit-learn pytest
+	$(GPU_PROOF)/bin/pip install -q --no-index --no-deps --no-compile --target /tmp/gpu-proof-site .gpu/whl-proof/*.whl
+	PYTHONPATH=/tmp/gpu-proof-site:$(CURDIR) $(GPU_PROOF)/bin/python -c \
+		"import deepspeed, lightning_multids, lightning_multids.cli, xdist, cpuinfo, ninja; print('imports: ok')"
+	PYTHONPATH=/tmp/gpu-proof-site:$(CURDIR) $(GPU_PROOF)/bin/python -m pytest -q -p xdist -p timeout --collect-only \
+		-m gpu tests/gpu | tail -1
+	$(GPU_PROOF)/bin/python benchmarks/gpu_wheels.py check $(GPU_WHEEL_DIR) --python-version $(GPU_PY_VERSION)
 
 bench: bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation
 

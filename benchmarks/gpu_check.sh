@@ -8,8 +8,9 @@
 #   overhead  step time against raw DeepSpeed and Lightning's DeepSpeedStrategy, transformers in bf16
 # The report is $OUT/report.md (OUT: outputs/gpu-check where unset), each part's log beside it (five files in all;
 # the JSON of syncs and overhead under outputs/gpu-check).
-# The machine needs python3 with torch (CUDA), Lightning and pytest; what it lacks (DeepSpeed, pydantic,
-# jsonargparse...) comes as wheels from .gpu/whl, which `make gpu-wheels` fills on a machine that reaches PyPI.
+# The machine needs python3 with torch (CUDA), Lightning and pytest; what it lacks (DeepSpeed and what it imports,
+# jsonargparse, pytest-xdist...) comes as wheels from .gpu/whl, which `make gpu-wheels` fills on a machine that reaches
+# PyPI (`make gpu-wheels-proof` checks the folder is complete before a GPU is spent on it).
 set -u
 OUT=${OUT:-outputs/gpu-check}
 PY=${GPU_PYTHON:-python3}
@@ -34,6 +35,8 @@ part() {
         echo "## $name: exit $rc after $(($(date +%s) - start)) s (limit $limit s)"
         echo
         grep -E '^\|' "$OUT/$name.log"
+        # each test's verdict as it finished (pytest -v), so a part cut short still reports what passed
+        grep -oE '(PASSED|FAILED|ERROR|SKIPPED) tests/[^ ]+|tests/[^ ]+ (PASSED|FAILED|ERROR|SKIPPED)' "$OUT/$name.log" | sort -u
         grep -E '^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped)|Error:' "$OUT/$name.log" | tail -40
     } >>"$REPORT"
 }
@@ -48,7 +51,7 @@ torch.__version__, '| CUDA', torch.version.cuda, '| Lightning', lightning.__vers
 
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
 # shellcheck disable=SC2086
-part suite 150 $PY -m pytest -m gpu tests/gpu -rfEs -q -p no:cacheprovider $XDIST --durations=10
+part suite 150 $PY -m pytest -m gpu tests/gpu -rfEs -v -p no:cacheprovider $XDIST --durations=10
 part syncs 70 $PY benchmarks/syncs.py --cases gan distill single --stages 0 1 2 3 \
     --precisions bf16-mixed 16-mixed --out outputs/gpu-check/syncs.json
 RUN="$PY -m torch.distributed.run --nproc-per-node 1"
