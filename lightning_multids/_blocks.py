@@ -213,6 +213,7 @@ def gathered(
                 if modifier_rank is not None:
                     keep_edits(engine.module, modifier_rank, trained=record.trainable)
             finally:
+                record.edited = True  # `data` was not watched in the block: the next step takes what it changed
                 if restore is not None:
                     restore()
 

@@ -105,6 +105,9 @@ class EngineSet:
         self.optimizer_of[name] = EngineOptimizer(record, optimizer, params)
         if engine.zero_optimization_stage() or engine_dtype(engine) != torch.float32:
             record.untrained = [(key, p) for key, p in engine.module.named_parameters() if not p.requires_grad]
+        record.keeps_master = ds_compat.keeps_master_copy(engine)
+        if record.keeps_master:
+            record.params = list(engine.module.parameters())
         self.owners.update({id(p): name for p in engine.module.parameters()})
 
     def clip_by_default(
@@ -206,18 +209,20 @@ class EngineSet:
             checks["grad"] = refuse_gradient_read(record.name, stage)
         if stage == 3:
             checks["data"] = refuse_partitioned_weights(record.name)
+        elif record.keeps_master:  # an access may edit the weights: the next step carries them to the master copy
+            checks["data"] = record.note_edit
         if not checks:
             return
         record.guard = torch_compat.ParameterGuard(list(record.engine.module.parameters()), checks)
         if record.has_gradients:
             record.guard.enable("grad")
-        if stage == 3:
+        if "data" in checks:
             record.guard.enable("data")
 
     def take_weight_edits(self) -> None:
         """Carry edits of the trainable engines' weights since their last step into their fp32 master copies."""
-        for optimizer in self.optimizers:
-            ds_compat.take_weight_edits(optimizer.engine)
+        for record in self.trainable:
+            record.take_edits()
 
     def saved_names(self, save_frozen: bool) -> list[str]:
         """The engines a checkpoint holds: the trainable ones, the EMA engines, and the frozen ones if asked."""

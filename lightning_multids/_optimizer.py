@@ -208,7 +208,7 @@ class EngineOptimizer(Optimizer):
         """Step the engine; whether the step was applied. It ends with the gradients cleared, whatever happens."""
         returned = False
         try:
-            ds_compat.take_weight_edits(self.engine)  # edits since the last step reach the fp32 master copy
+            self.record.take_edits()  # edits since the last step reach the fp32 master copy
             with _passing(self.optimizer, kwargs):
                 self.engine.step()
             returned = True

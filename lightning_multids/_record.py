@@ -25,6 +25,8 @@ import torch
 from deepspeed import DeepSpeedEngine
 from torch.utils.hooks import RemovableHandle
 
+from lightning_multids._compat import deepspeed as ds_compat
+from lightning_multids._compat import torch as torch_compat
 from lightning_multids._compat.torch import ParameterGuard
 
 NO_SYNC = "strategy.no_sync(...)"
@@ -73,6 +75,14 @@ class EngineRecord:
     bf16 or fp16 (DeepSpeed's 16-bit optimizers keep fp32 copies of the trained parameters only)."""
     configured_clipping: float | None = None
     """The engine's own clipping, while a ``clip_gradients`` call overrides it for its next step."""
+    keeps_master: bool = False
+    """Whether its optimizer steps a master copy of the weights, which edits must reach (``ds_compat``)."""
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    """A trainable engine's parameters, in the module's order, where it keeps a master copy."""
+    edited: bool = True
+    """Whether a path that can edit the weights ran since the master copy last took them: a ``param.data`` access
+    (the guard), a ``gathered`` block. (True at the start: the first step takes whatever happened before it.)"""
+    _versions: list[int] = field(default_factory=list)
     _has_gradients: bool = False
 
     @property
@@ -85,6 +95,26 @@ class EngineRecord:
         self._has_gradients = value
         if self.guard is not None:  # reads of `param.grad` are refused from user code while it holds gradients
             (self.guard.enable if value else self.guard.disable)("grad")
+
+    def take_edits(self) -> None:
+        """Carry edits of the weights since the last take into the master copy, where an edit may have happened.
+
+        An edit is seen as a ``param.data`` access or a ``gathered`` block (:attr:`edited`), or as a new version of a
+        parameter (an in-place op on it: ``p.clamp_()``, ``nn.init``, ``load_state_dict``'s copies). DeepSpeed's
+        own writes of the weights after a step go through their storage and raise no version. Otherwise nothing is
+        read or copied: no per-step copy of the weights to the master copy (over PCIe where it is offloaded).
+        """
+        if not self.keeps_master:
+            return
+        versions = torch_compat.versions(self.params)
+        if self.edited or versions != self._versions:
+            ds_compat.take_weight_edits(self.engine)
+            self.edited = False
+        self._versions = versions
+
+    def note_edit(self, param: torch.Tensor, reader: str, verb: str) -> None:
+        """A :class:`ParameterGuard` check: a ``param.data`` access may edit the weights; the next step takes them."""
+        self.edited = True
 
     @contextmanager
     def in_phase(self, phase: Phase) -> Iterator[None]:

@@ -421,6 +421,16 @@ def _zero_gradients_of(partitions: list[torch.Tensor]) -> None:
             partition.grad.zero_()
 
 
+def keeps_master_copy(engine: DeepSpeedEngine) -> bool:
+    """Whether ``engine``'s optimizer steps a master copy of the weights, where :func:`take_weight_edits` takes edits.
+
+    ZeRO-1/2 (any precision) and ZeRO-0/1 in bf16/fp16; not ZeRO-0 in fp32 (a torch optimizer steps the weights
+    themselves), nor ZeRO-3 (edits go through ``gathered``, :func:`set_master_weights`).
+    """
+    optimizer = engine.optimizer
+    return isinstance(optimizer, DeepSpeedZeroOptimizer | BF16_Optimizer | FP16_UnfusedOptimizer | FP16_Optimizer)
+
+
 @torch.no_grad()
 def take_weight_edits(engine: DeepSpeedEngine) -> None:
     """Carry edits of the engine's module weights since its last step into the optimizer's fp32 master copy.

@@ -11,7 +11,7 @@ import operator
 import re
 import sys
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -405,3 +405,11 @@ def _checked_property(attribute: str, check: Check, active: set[str]) -> propert
         _TENSOR_ATTRIBUTES[attribute].__delete__(param)
 
     return property(read, write, delete)
+
+
+def versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's version counter (torch's ``Tensor._version``): an in-place op on the tensor itself raises it.
+
+    An op on ``tensor.data`` (a tensor of its own) does not, nor does a write through another view of its storage.
+    """
+    return [tensor._version for tensor in tensors]

@@ -7,7 +7,8 @@ collective is put down to the first frame outside torch and DeepSpeed's ``comm``
 a tensor's values on the host (``.item()``, ``.tolist()``, ``bool(tensor)``, ``.cpu()``, ``.numpy()``,
 ``nonzero``, ``torch.equal``) to its caller; those in this package are the strategy's own
 (the function that made each is counted), and so is every module visited by a walk that this package starts
-(``named_modules``, behind ``parameters()`` and ``named_buffers()``). With
+(``named_modules``, behind ``parameters()`` and ``named_buffers()``), and every copy of an engine's weights into its
+master copy (``take_weight_edits``, which runs only after a path that can edit them). With
 ``find_unused_parameters=True`` the ranks agree after each backward, which the same count shows.
 """
 
@@ -25,6 +26,7 @@ import torch
 
 import lightning_multids
 from lightning_multids import MultiDeepSpeedStrategy
+from lightning_multids._compat import deepspeed as ds_compat
 from tests.distributed.common import cpu_trainer
 from tests.distributed.harness import on_ranks
 from tests.distributed.test_frozen import FrozenModule
@@ -72,6 +74,7 @@ class Count(pl.Callback):
             self._undo += [_counting(torch.Tensor, name, self.counts) for name in READS]
             self._undo += [_counting(torch, name, self.counts) for name in TORCH_READS]
             self._undo.append(_counting(torch.nn.Module, "named_modules", self.counts))  # every walk of the modules
+            self._undo.append(_counting(ds_compat, "take_weight_edits", self.counts))  # a copy of the partitions
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         for undo in self._undo:

@@ -3,8 +3,9 @@
 ZeRO-1/2, and bf16 at ZeRO-0/1, step an fp32 master copy of each rank's partition and then overwrite the module's
 weights from it. A module that loads other weights when training starts (``load_state_dict`` in
 ``on_train_start``) and shrinks its weights after every step (``p.data.mul_``, as WGAN's clamp or SwAV's
-normalisation edit them) matches plain PyTorch doing the same: in fp32 to float tolerance, in bf16 within its
-resolution. Adam, so that a step from the wrong weights cannot be undone by the next one.
+normalisation edit them, and on odd steps ``p.mul_`` under ``no_grad``, seen by the parameter's version) matches
+plain PyTorch doing the same: in fp32 to float tolerance, in bf16 within its resolution. Adam, so that a step from
+the wrong weights cannot be undone by the next one.
 
 The same edits inside ``strategy.gathered(name, modifier_rank=0)``, the way for ZeRO-3 (whose weights between steps
 are empty partitions), match too, also where rank 1 edits differently (rank 0's edit is every rank's), and with the
@@ -40,9 +41,11 @@ CASES += [(2, "bf16-mixed", OFFLOAD)]
 IN_BLOCK = [(3, "32-true", None), (3, "bf16-mixed", OFFLOAD), (2, "32-true", None)]
 
 
-def shrink(model: nn.Module, factor: float = SHRINK) -> None:
-    for param in model.parameters():
-        param.data.mul_(factor)
+def shrink(model: nn.Module, factor: float = SHRINK, direct: bool = False) -> None:
+    """Through ``param.data`` (WGAN's clamp), or, ``direct``, on the parameter itself under ``no_grad``."""
+    with torch.no_grad():
+        for param in model.parameters():
+            (param if direct else param.data).mul_(factor)
 
 
 class Edited(pl.LightningModule):
@@ -59,7 +62,7 @@ class Edited(pl.LightningModule):
         opt.zero_grad()
         self.manual_backward(regression_loss(self.net, batch))
         opt.step()
-        shrink(self.net)
+        shrink(self.net, direct=batch_idx % 2 == 1)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.net.parameters(), lr=0.05)
