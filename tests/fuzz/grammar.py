@@ -114,8 +114,9 @@ class Phase:
     """Where the owner steps in the phase: ``self.clip_gradients(opt, gradient_clip_val=clip)`` (norm) before its
     step; 0: no clipping."""
     edit: str = "none"
-    """After the phase, the owner's weights times :data:`EDIT_FACTOR`: ``"plain"`` (``p.data.mul_``) or ``"block"``
-    (inside ``strategy.gathered(owner, modifier_rank=0)``, where rank 1 multiplies by another factor, dropped)."""
+    """After the phase, the owner's weights times :data:`EDIT_FACTOR`: ``"plain"`` (``p.data.mul_``), ``"inplace"``
+    (``p.mul_`` under ``no_grad``; never at ZeRO-3, where it is a documented blind spot) or ``"block"`` (inside
+    ``strategy.gathered(owner, modifier_rank=0)``, where rank 1 multiplies by another factor, dropped)."""
 
 
 @dataclass
@@ -338,7 +339,11 @@ def draw_touches(rng: random.Random, case: Case, phase: Phase, switches: Switche
         phase.clip = rng.choice((0.05, 0.5))
     if chance(rng, 0.3, switches.touches):
         stages = {case.engine(phase.owner).stage, case.resume.stages.get(phase.owner, 0) if case.resume else 0}
-        phase.edit = "block" if rng.random() < (0.8 if 3 in stages else 0.5) else "plain"
+        draw = rng.random()
+        if 3 in stages:
+            phase.edit = "block" if draw < 0.8 else "plain"
+        else:  # one draw, as before "inplace" existed: the rest of a seed's case stays what it was
+            phase.edit = "block" if draw < 0.5 else "plain" if draw < 0.8 else "inplace"
 
 
 def draw_sharing(rng: random.Random, case: Case, switches: Switches) -> None:

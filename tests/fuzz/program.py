@@ -46,7 +46,7 @@ class Backend(Protocol):
         """Clip ``name``'s gradients to global norm ``max_norm`` for its coming step."""
 
     def edit(self, name: str, how: str) -> None:
-        """Multiply ``name``'s weights by ``EDIT_FACTOR``, as ``Phase.edit`` says (``"plain"`` or ``"block"``)."""
+        """Multiply ``name``'s weights by ``EDIT_FACTOR``, as ``Phase.edit`` says (plain, inplace or block)."""
 
 
 # ---- modules and data ------------------------------------------------------------------------------------

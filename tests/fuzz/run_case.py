@@ -71,6 +71,11 @@ class StrategyBackend:
             for p in getattr(self.module, name).parameters():
                 p.data.mul_(EDIT_FACTOR)
             return
+        if how == "inplace":
+            with torch.no_grad():
+                for p in getattr(self.module, name).parameters():
+                    p.mul_(EDIT_FACTOR)
+            return
         factor = EDIT_FACTOR if self.module.global_rank == 0 else 0.5  # rank 0's edit is every rank's
         with self.module.trainer.strategy.gathered(name, modifier_rank=0) as module:  # type: ignore[attr-defined]
             for p in module.parameters():
