@@ -95,7 +95,7 @@ def _counting(owner: Any, name: str, counts: Counter[str]) -> Callable[[], None]
     return lambda: setattr(owner, name, original)
 
 
-def count_steps(stage: int, find_unused: bool) -> dict[str, dict[str, int]]:
+def count_steps(stage: int, find_unused: bool, precision: str = "32-true") -> dict[str, dict[str, int]]:
     """On each rank: the strategy's own collectives and reads over steps 2-3 of each pattern, by name."""
     result = {}
     for pattern in ("gan", "distill"):
@@ -107,7 +107,13 @@ def count_steps(stage: int, find_unused: bool) -> dict[str, dict[str, int]]:
             module = FrozenModule("distill", STEPS)
             configs = {"frozen": {"zero_optimization": {"stage": 3}}}
         strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=configs, find_unused_parameters=find_unused)
-        trainer = cpu_trainer(strategy, callbacks=[counter], enable_checkpointing=False, use_distributed_sampler=False)
+        trainer = cpu_trainer(
+            strategy,
+            callbacks=[counter],
+            precision=precision,
+            enable_checkpointing=False,
+            use_distributed_sampler=False,
+        )
         trainer.fit(module)
         result[pattern] = dict(counter.counts)
     return result
@@ -119,9 +125,9 @@ def test_the_default_step_runs_no_collective_and_reads_no_tensor_of_its_own() ->
 
     The modules have no buffers, so no step looks for them (as DDP, which syncs none in a fit if it had none when
     it wrapped the module)."""
-    for stage in range(4):
-        counts = on_ranks(count_steps, stage, False, timeout=240)
-        assert counts == [{"gan": {}, "distill": {}}] * 2, f"ZeRO-{stage}: {counts}"
+    for stage, precision in [(0, "32-true"), (1, "32-true"), (2, "32-true"), (3, "32-true"), (0, "bf16-mixed")]:
+        counts = on_ranks(count_steps, stage, False, precision, timeout=240)  # bf16 at ZeRO-0: FP16_UnfusedOptimizer
+        assert counts == [{"gan": {}, "distill": {}}] * 2, f"ZeRO-{stage} {precision}: {counts}"
 
 
 def test_find_unused_parameters_agrees_after_each_backward() -> None:
