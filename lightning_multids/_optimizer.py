@@ -303,8 +303,15 @@ class EngineOptimizer(Optimizer):
         self.record = EngineRecord(self.name, None, trainable=True)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
-        """The engine's name, then the optimizer it steps as torch shows it (its class and each group's settings)."""
-        return f"EngineOptimizer(engine={self.name!r}) over {self.optimizer!r}"
+        """The engine's name, then the optimizer it steps as torch shows it (its class and each group's settings).
+
+        Wrapped by Lightning (``self.optimizers()``), ``LightningEngineOptimizer(...)``: Lightning's class name and
+        the rest once, as Lightning shows a ``LightningSGD``, whose ``optimizer`` is this object.
+        """
+        stepped = self.optimizer
+        while isinstance(stepped, EngineOptimizer):  # `self` is Lightning's wrapper: its `optimizer` is this one
+            stepped = stepped.optimizer
+        return f"{type(self).__name__}(engine={self.name!r}) over {stepped!r}"
 
 
 def _check_step_arguments(name: str, optimizer: Optimizer, kwargs: dict[str, Any]) -> None:

@@ -4,6 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 
 from lightning_multids._optimizer import EngineScheduler, _GroupView
@@ -61,3 +62,5 @@ def test_repr_names_the_engine_and_shows_the_optimizer_as_torch_does() -> None:
     optimizer = EngineOptimizer(EngineRecord("critic", engine), inner, [list(module.parameters())])  # type: ignore[arg-type]
     assert repr(optimizer) == f"EngineOptimizer(engine='critic') over {inner!r}"
     assert "Adam (\nParameter Group 0\n" in repr(optimizer) and "lr: 0.01\n" in repr(optimizer)
+    # what `self.optimizers()` gives: Lightning's name, the rest once (Lightning's test of its wrapper expects that)
+    assert str(LightningOptimizer(optimizer)) == "Lightning" + str(optimizer)
