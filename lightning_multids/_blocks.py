@@ -340,6 +340,7 @@ def _asleep(record: EngineRecord) -> Iterator[None]:
     finally:
         handle.remove()
         engine.reload_states()
+        record.edited = True  # the weights came back in new storages: the next step takes them (and notes where)
 
 
 def _refuse_forward(name: str, module: nn.Module) -> RemovableHandle:

@@ -219,6 +219,11 @@ class EngineSet:
         if "data" in checks:
             record.guard.enable("data")
 
+    def note_collective_write(self, tensor: torch.Tensor) -> None:
+        """A collective of user code wrote into ``tensor``: an edit, where it is a trained engine's weight."""
+        for record in self.trainable:
+            record.note_write(tensor)
+
     def take_weight_edits(self) -> None:
         """Carry edits of the trainable engines' weights since their last step into their fp32 master copies."""
         for record in self.trainable:

@@ -82,6 +82,8 @@ class EngineRecord:
     edited: bool = True
     """Whether a path that can edit the weights ran since the master copy last took them: a ``param.data`` access
     (the guard), a ``gathered`` block. (True at the start: the first step takes whatever happened before it.)"""
+    storages: set[int] = field(default_factory=set)
+    """Where its parameters' storages start, for :meth:`note_write` (made again at each take of edits)."""
     _versions: list[int] = field(default_factory=list)
     _has_gradients: bool = False
 
@@ -99,8 +101,9 @@ class EngineRecord:
     def take_edits(self) -> None:
         """Carry edits of the weights since the last take into the master copy, where an edit may have happened.
 
-        An edit is seen as a ``param.data`` access or a ``gathered`` block (:attr:`edited`), or as a new version of a
-        parameter (an in-place op on it: ``p.clamp_()``, ``nn.init``, ``load_state_dict``'s copies). DeepSpeed's
+        An edit is seen as a ``param.data`` access, a ``gathered`` block or a collective of your code writing into a
+        weight (:attr:`edited`), or as a new version of a parameter (an in-place op on it: ``p.clamp_()``,
+        ``nn.init``, ``load_state_dict``'s copies). DeepSpeed's
         own writes of the weights after a step go through their storage and raise no version. Otherwise nothing is
         read or copied: no per-step copy of the weights to the master copy (over PCIe where it is offloaded).
         """
@@ -110,7 +113,13 @@ class EngineRecord:
         if self.edited or versions != self._versions:
             ds_compat.take_weight_edits(self.engine)
             self.edited = False
+            self.storages = {torch_compat.storage_of(param) for param in self.params} - {0}
         self._versions = versions
+
+    def note_write(self, tensor: torch.Tensor) -> None:
+        """A collective wrote into ``tensor`` (``dist.broadcast(p, 0)``): where it is one of the weights, an edit."""
+        if self.keeps_master and torch_compat.storage_of(tensor) in self.storages:
+            self.edited = True
 
     def note_edit(self, param: torch.Tensor, reader: str, verb: str) -> None:
         """A :class:`ParameterGuard` check: a ``param.data`` access may edit the weights; the next step takes them."""

@@ -66,6 +66,8 @@ from lightning_multids._planning import check_clip_algorithm, warn_clipping_over
 from lightning_multids._precision import EnginePrecision
 
 log = logging.getLogger(__name__)
+UNWATCHED_CALLERS = ("deepspeed.", "lightning_multids.", "torch.")
+"""Modules whose collectives never edit the weights behind the strategy's back (DeepSpeed's, the package's, torch's)."""
 __all__ = ["MultiDeepSpeedStrategy"]
 
 
@@ -349,6 +351,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             refuse_engine_clipping(self._engine_set.owners, stages)
         )
         self._unguard_gradients = _chain(self._unguard_gradients, self._engine_set.guard_parameters())
+        watch = torch_compat.watch_collective_writes(self._engine_set.note_collective_write, UNWATCHED_CALLERS)
+        self._unguard_gradients = _chain(self._unguard_gradients, watch)
         self.optimizers = list[Optimizer](self._engine_set.optimizers)
         self.lr_scheduler_configs = self._engine_set.scheduler_configs
         self._restore_summary = count_partitioned(trainer, self._engine_set.engines)  # before on_fit_start

@@ -298,6 +298,63 @@ def guard_gradient_clipping(check: Callable[[str, list[torch.Tensor]], None]) ->
     return undo
 
 
+WRITING_COLLECTIVES = (
+    "broadcast",
+    "all_reduce",
+    "reduce",
+    "scatter",
+    "recv",
+    "irecv",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+)
+"""The collectives of ``torch.distributed`` that write into a tensor they are given."""
+
+
+def watch_collective_writes(written: Callable[[torch.Tensor], None], unwatched: tuple[str, ...]) -> Callable[[], None]:
+    """Call ``written(tensor)`` for every tensor a :data:`WRITING_COLLECTIVES` call gets; return the undo.
+
+    Only for calls looked up in ``torch.distributed`` at the call (``dist.broadcast(p, 0)``), from a module whose name
+    does not start with one of ``unwatched`` (DeepSpeed's own collectives pass through its ``deepspeed.comm``, at the
+    cost of one frame look-up each). A collective writes a tensor's storage without raising its version counter.
+    """
+    module = torch.distributed
+
+    def watched(function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            if not sys._getframe(1).f_globals.get("__name__", "").startswith(unwatched):
+                for value in (*args, *kwargs.values()):
+                    for tensor in value if isinstance(value, list | tuple) else (value,):
+                        if isinstance(tensor, torch.Tensor):
+                            written(tensor)
+            return function(*args, **kwargs)
+
+        return collective
+
+    patches = [(name, watched(getattr(module, name))) for name in WRITING_COLLECTIVES if hasattr(module, name)]
+    originals = [(name, getattr(module, name)) for name, _ in patches]
+    for name, patched in patches:
+        setattr(module, name, patched)
+
+    def undo() -> None:
+        for (name, original), (_, patched) in zip(originals, patches, strict=True):
+            if getattr(module, name) is patched:  # another patch made since stays
+                setattr(module, name, original)
+
+    return undo
+
+
+def storage_of(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s storage starts: the same for every view of it (0 for a tensor without one)."""
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass or meta tensor without a plain storage
+        return 0
+
+
 _TENSOR_ATTRIBUTES: dict[str, Any] = {name: torch._C.TensorBase.__dict__[name] for name in ("grad", "data")}
 """The descriptors behind every tensor's ``.grad`` and ``.data``, on torch's private tensor base class."""
 

@@ -39,6 +39,7 @@ OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_
 CASES = [(1, "32-true", None), (2, "32-true", None), (0, "bf16-mixed", None), (2, "bf16-mixed", None)]
 CASES += [(2, "bf16-mixed", OFFLOAD)]
 IN_BLOCK = [(3, "32-true", None), (3, "bf16-mixed", OFFLOAD), (2, "32-true", None)]
+BY_BROADCAST = [(2, "32-true", None)]
 
 
 def shrink(model: nn.Module, factor: float = SHRINK, direct: bool = False) -> None:
@@ -69,6 +70,21 @@ class Edited(pl.LightningModule):
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return sharded_loader(self, regression_data(STEPS, PER_RANK), batch_size=PER_RANK)
+
+
+class EditedByBroadcast(Edited):
+    """:class:`Edited`'s shrink made on rank 0 only, then sent to every rank with ``dist.broadcast(p, src=0)``: a
+    collective writes rank 1's weights without raising their versions (``watch_collective_writes`` sees it)."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(regression_loss(self.net, batch))
+        opt.step()
+        if self.global_rank == 0:
+            shrink(self.net, direct=True)
+        for param in self.net.parameters():
+            torch.distributed.broadcast(param.detach(), src=0)
 
 
 class EditedInBlock(Edited):
@@ -142,7 +158,7 @@ def fit_edited(folder: str) -> tuple[list[dict[str, torch.Tensor]], list[dict[st
     :data:`CASES`, the weights of a checkpoint saved in ``folder`` as training ends (even cases) or after the fit
     (odd ones), as ``export`` reads them."""
     weights, saved = [], []
-    for module, cases in [(Edited, CASES), (EditedInBlock, IN_BLOCK)]:
+    for module, cases in [(Edited, CASES), (EditedInBlock, IN_BLOCK), (EditedByBroadcast, BY_BROADCAST)]:
         for stage, precision, config in cases:
             at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
             options = {"use_distributed_sampler": False, "enable_checkpointing": False, "precision": precision}
@@ -189,7 +205,7 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[list, list]]:
 
 @pytest.fixture(scope="module")
 def fits(launch: list[tuple[list, list]]) -> list[list[dict[str, torch.Tensor]]]:
-    """Each rank's weights after each case (:data:`CASES`, then :data:`IN_BLOCK`)."""
+    """Each rank's weights after each case (:data:`CASES`, :data:`IN_BLOCK`, then :data:`BY_BROADCAST`)."""
     return [weights for weights, _ in launch]
 
 
@@ -222,6 +238,10 @@ def test_weight_edits_in_a_gathered_block_with_a_modifier_rank_reach_the_next_st
     fits: list[list[dict[str, torch.Tensor]]], case: int
 ) -> None:
     assert_as_pytorch(fits, len(CASES) + case, IN_BLOCK[case][1])
+
+
+def test_weights_a_collective_of_your_code_wrote_reach_the_next_step(fits: list[list[dict[str, torch.Tensor]]]) -> None:
+    assert_as_pytorch(fits, len(CASES) + len(IN_BLOCK), BY_BROADCAST[0][1])
 
 
 def test_a_zero3_weight_touched_through_data_outside_its_forward_and_blocks_is_refused() -> None:
