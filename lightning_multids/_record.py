@@ -81,7 +81,8 @@ class EngineRecord:
     """A trainable engine's parameters, in the module's order, where it keeps a master copy."""
     edited: bool = True
     """Whether a path that can edit the weights ran since the master copy last took them: a ``param.data`` access
-    (the guard), a ``gathered`` block. (True at the start: the first step takes whatever happened before it.)"""
+    (the guard), a ``gathered`` or ``offloaded`` block, a collective of user code writing into a weight. (True at
+    the start: the first step takes whatever happened before it.)"""
     storages: set[int] = field(default_factory=set)
     """Where its parameters' storages start, for :meth:`note_write` (made again at each take of edits)."""
     _versions: list[int] = field(default_factory=list)
@@ -101,11 +102,10 @@ class EngineRecord:
     def take_edits(self) -> None:
         """Carry edits of the weights since the last take into the master copy, where an edit may have happened.
 
-        An edit is seen as a ``param.data`` access, a ``gathered`` block or a collective of your code writing into a
-        weight (:attr:`edited`), or as a new version of a parameter (an in-place op on it: ``p.clamp_()``,
-        ``nn.init``, ``load_state_dict``'s copies). DeepSpeed's
-        own writes of the weights after a step go through their storage and raise no version. Otherwise nothing is
-        read or copied: no per-step copy of the weights to the master copy (over PCIe where it is offloaded).
+        An edit is seen as :attr:`edited`, or as a new version of a parameter (an in-place op on it: ``p.clamp_()``,
+        ``nn.init``, ``load_state_dict``'s copies). DeepSpeed's own writes of the weights after a step go through
+        their storage and raise no version. Otherwise nothing is copied: no per-step copy of the weights into the
+        master copy (over PCIe where it is offloaded), only a read of each parameter's version.
         """
         if not self.keeps_master:
             return

@@ -351,8 +351,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             refuse_engine_clipping(self._engine_set.owners, stages)
         )
         self._unguard_gradients = _chain(self._unguard_gradients, self._engine_set.guard_parameters())
-        watch = torch_compat.watch_collective_writes(self._engine_set.note_collective_write, UNWATCHED_CALLERS)
-        self._unguard_gradients = _chain(self._unguard_gradients, watch)
+        if any(record.keeps_master for record in self._engine_set.trainable):  # edits to carry to a master copy
+            watch = torch_compat.watch_collective_writes(self._engine_set.note_collective_write, UNWATCHED_CALLERS)
+            self._unguard_gradients = _chain(self._unguard_gradients, watch)
         self.optimizers = list[Optimizer](self._engine_set.optimizers)
         self.lr_scheduler_configs = self._engine_set.scheduler_configs
         self._restore_summary = count_partitioned(trainer, self._engine_set.engines)  # before on_fit_start
