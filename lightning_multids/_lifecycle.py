@@ -249,15 +249,16 @@ def build_engine(
     """
     remove_hooks = torch_compat.hooks_added_from_now(module)
     try:
-        engine, *_ = deepspeed.initialize(
-            model=module,
-            optimizer=optimizer,
-            model_parameters=None if optimizer is not None else [p for p in module.parameters() if p.requires_grad],
-            lr_scheduler=scheduler,
-            config=config,
-            dist_init_required=False,
-            args=engine_arguments(device),
-        )
+        with ds_compat.scalar_parameters_broadcast():
+            engine, *_ = deepspeed.initialize(
+                model=module,
+                optimizer=optimizer,
+                model_parameters=None if optimizer is not None else [p for p in module.parameters() if p.requires_grad],
+                lr_scheduler=scheduler,
+                config=config,
+                dist_init_required=False,
+                args=engine_arguments(device),
+            )
     except BaseException:
         remove_hooks()
         ds_compat.forget_zero3_module_state(module)
@@ -465,9 +466,14 @@ def _unpartition_children(module: pl.LightningModule, keep: Callable[[str], bool
             unpartition(child)
 
 
-def zero3_init(config: dict[str, Any]) -> Any:
+@contextmanager
+def zero3_init(config: dict[str, Any]) -> Iterator[None]:
     """A ``deepspeed.zero.Init`` context: modules built inside it are partitioned as they are created."""
-    return deepspeed.zero.Init(config_dict_or_path=config, mem_efficient_linear=False)
+    with (
+        ds_compat.scalar_parameters_broadcast(),
+        deepspeed.zero.Init(config_dict_or_path=config, mem_efficient_linear=False),
+    ):
+        yield
 
 
 def is_partitioned(module: nn.Module) -> bool:

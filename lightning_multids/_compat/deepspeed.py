@@ -43,6 +43,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from deepspeed.runtime.zero.partition_parameters import Init as zero_init_class
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -66,12 +67,14 @@ _INSTALL = f"pip install 'deepspeed{SUPPORTED_DEEPSPEED}'"
 _CLASS_METHODS: dict[type, tuple[str, ...]] = {
     DeepSpeedEngine: (
         "_backward_prologue",
+        "_broadcast_model",
         "_backward_epilogue",
         "_flush_coalesced_reduction_zero12",
         "_flush_coalesced_reduction_zero3",
         "buffered_allreduce_fallback",
     ),
     ZeROOptimizer: ("clear_backward_seen_flag", "_backward_active_depth"),
+    zero_init_class: ("_zero_init_param",),
     DeepSpeedZeroOptimizer: (
         "_release_ipg_buffers",
         "_release_preflattened_grad_buffers",
@@ -229,6 +232,46 @@ def comm_without_inference_op() -> Iterator[None]:
         yield
     finally:
         ds_comm_torch.build_shm_op = build
+
+
+@contextmanager
+def scalar_parameters_broadcast() -> Iterator[None]:
+    """Let DeepSpeed broadcast 0-dim parameters at engine build and in ``zero.Init``.
+
+    DeepSpeed 0.19.8 broadcasts each parameter as ``p.data.view(torch.uint8)`` (``DeepSpeedEngine._broadcast_model``,
+    ``zero.Init._zero_init_param``), which torch refuses for a 0-dim tensor (``self.dim() cannot be 0 to view Float
+    as Byte``): a learned temperature (CLIP's ``logit_scale``) or SAC's ``log_alpha`` stopped every engine build.
+    Here each 0-dim parameter's data is a 1-element view of the same storage while it is broadcast, and 0-dim again
+    after it; ZeRO-3 records the shape it gathers to (``ds_shape``) as 0-dim. The rest of DeepSpeed flattens
+    parameters, which 0-dim ones allow.
+    """
+    broadcast, init_param = DeepSpeedEngine._broadcast_model, zero_init_class._zero_init_param
+
+    def broadcast_model(engine: DeepSpeedEngine) -> None:
+        scalars = [param for param in engine.module.parameters() if param.dim() == 0]
+        for param in scalars:
+            param.data = param.data.view(1)
+        try:
+            broadcast(engine)
+        finally:
+            for param in scalars:
+                param.data = param.data.view(())
+
+    def zero_init_param(init: Any, param: torch.nn.Parameter) -> None:
+        if param.dim() != 0:
+            init_param(init, param)
+            return
+        param.data = param.data.view(1)
+        init_param(init, param)
+        param.ds_shape = torch.Size(())
+        if param.ds_status is ZeroParamStatus.AVAILABLE:  # kept whole (persistent): 0-dim again
+            param.data = param.data.view(())
+
+    DeepSpeedEngine._broadcast_model, zero_init_class._zero_init_param = broadcast_model, zero_init_param
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._broadcast_model, zero_init_class._zero_init_param = broadcast, init_param
 
 
 def torch_optimizer(engine: DeepSpeedEngine) -> Optimizer:
