@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -68,6 +68,7 @@ def build_engines(
     agree: Callable[[BaseException | None], None] = lambda error: None,
     averages: Mapping[str, Average] | None = None,
     find_unused: bool = False,
+    elementwise: Sequence[type[Optimizer]] = (),
 ) -> EngineSet:
     """Build the engines of ``module``: trainable ones first, in ``self.optimizers()`` order, then frozen ones.
 
@@ -103,7 +104,7 @@ def build_engines(
             check_batch_settings(name, merge(default, overrides.get(name, {})), loader_batch, trainer.world_size)
     _unpartition_children(module, keep=lambda name: zero_stage(configs[name]) == 3)
     with _agreed(agree):
-        plan = plan_engines(trainer, module, configs, overrides)
+        plan = plan_engines(trainer, module, configs, overrides, elementwise)
         for name in [*plan.matched, *plan.from_config]:
             check_accumulation_dtype(configs[name], f"the engine {name!r}")
         check_zero3_device(

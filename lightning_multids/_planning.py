@@ -7,15 +7,18 @@ Settings that cannot work are refused here, and user hooks that would misread Ze
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from deepspeed import DeepSpeedEngine
-from deepspeed.ops.adam import DeepSpeedCPUAdam
-from deepspeed.ops.lion import DeepSpeedCPULion
+from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
@@ -46,13 +49,40 @@ class Plan:
     switched: bool
 
 
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
+    FusedAdam,
+    FusedLion,
+    DeepSpeedCPUAdam,
+    DeepSpeedCPUAdagrad,
+    DeepSpeedCPULion,
+)
+"""Optimizers that update each element of a parameter from that element alone (its gradient, its state, the step
+count): over ZeRO-1/2/3's flat partitions they give ``torch.optim``'s result. A subclass counts where it keeps
+its base's ``step``."""
+
+
 def plan_engines(
     trainer: pl.Trainer,
     module: pl.LightningModule,
     configs: Mapping[str, dict[str, Any]],
     overrides: Mapping[str, Mapping[str, Any]],
+    elementwise: Sequence[type[Optimizer]] = (),
 ) -> Plan:
-    """Decide, from ``configure_optimizers`` and the resolved ``configs``, which engines to build and how."""
+    """Decide, from ``configure_optimizers`` and the resolved ``configs``, which engines to build and how.
+
+    ``elementwise``: the optimizer classes the user declared element-wise, beside :data:`ELEMENTWISE_OPTIMIZERS`.
+    """
     from_config = [name for name in overrides if "optimizer" in configs[name]]
     automatic = module.automatic_optimization
     optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
@@ -61,6 +91,7 @@ def plan_engines(
         _check_one_optimizer(name, configs[name])
         _check_offloaded_optimizer(name, configs[name], optimizers[index])
         _check_steps_without_closure(name, optimizers[index])
+        _check_elementwise(name, configs[name], optimizers[index], (*ELEMENTWISE_OPTIMIZERS, *elementwise))
     frozen = {
         name: frozen_config(name, configs[name], overrides[name])
         for name in overrides
@@ -132,6 +163,58 @@ def _check_steps_without_closure(name: str, optimizer: Optimizer) -> None:
             f"steps its optimizer once, without a closure. Give {name!r} an optimizer that steps without one "
             "(`torch.optim.SGD`, `Adam`, `AdamW`, ...)."
         )
+
+
+def optimizer_class(kind: type[Optimizer] | str) -> type[Optimizer]:
+    """An optimizer class, or the class at an import path (``"my_package.MyAdam"``), checked."""
+    found: Any = kind
+    if isinstance(kind, str):
+        module_name, _, attribute = kind.rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError, ValueError) as error:
+            raise ValueError(
+                f"MultiDeepSpeedStrategy(elementwise_optimizers=[{kind!r}]): no class at that path ({error}). Give "
+                'the class itself or its full import path, e.g. "my_package.optim.MyAdam".'
+            ) from None
+    if not (isinstance(found, type) and issubclass(found, Optimizer)):
+        raise ValueError(
+            f"MultiDeepSpeedStrategy(elementwise_optimizers=[{kind!r}]): {found!r} is not a `torch.optim.Optimizer` "
+            "subclass. List optimizer classes (or their import paths), e.g. `[my_package.optim.MyAdam]`."
+        )
+    return found
+
+
+def is_elementwise(kind: type[Optimizer], known: Sequence[type[Optimizer]]) -> bool:
+    """Whether ``kind`` is one of ``known`` or a subclass that steps as its base does."""
+    step = inspect.unwrap(kind.step)  # torch wraps a class's `step` when the first optimizer of it is made
+    return any(issubclass(kind, base) and step is inspect.unwrap(base.step) for base in known)
+
+
+def _check_elementwise(
+    name: str, config: Mapping[str, Any], optimizer: Optimizer, known: Sequence[type[Optimizer]]
+) -> None:
+    """Refuse, at ZeRO-1/2/3, an optimizer not known to update each element from that element alone.
+
+    There DeepSpeed steps the optimizer over flat partitions of the engine's parameters (one tensor per group and
+    rank, cut anywhere), so an optimizer that treats each tensor as a whole (Adafactor's row and column factors,
+    LAMB's and LARS's trust ratio per tensor, Muon's orthogonalised matrices, Shampoo's preconditioners) would
+    silently compute something else. ZeRO-0 hands it the parameters as they are.
+    """
+    stage = zero_stage(config)
+    kind = type(optimizer)
+    if stage == 0 or is_elementwise(kind, known):
+        return
+    path = f"{kind.__module__}.{kind.__qualname__}"
+    raise ValueError(
+        f"The engine {name!r} runs ZeRO-{stage}, where DeepSpeed steps its optimizer (`{path}`) over flat partitions "
+        "of the engine's parameters, not over each parameter as `torch.optim` does. An optimizer that treats each "
+        "tensor as a whole (Adafactor, LAMB, LARS, Muon, Shampoo) computes something else there, silently. Give "
+        f"{name!r} ZeRO-0 (`engine_configs={{{name!r}: {{'zero_optimization': {{'stage': 0}}}}}}`), or an "
+        "element-wise optimizer (`torch.optim.SGD`, `Adam`, `AdamW`, ...); or, if `"
+        f"{kind.__qualname__}` updates each element from that element's gradient and state alone, declare it: "
+        f'`MultiDeepSpeedStrategy(elementwise_optimizers=["{path}"])`.'
+    )
 
 
 def _check_not_compiled_at_zero3(name: str, submodule: nn.Module, config: Mapping[str, Any]) -> None:

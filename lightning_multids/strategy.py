@@ -6,7 +6,7 @@ import contextlib
 import functools
 import gc
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,7 +62,7 @@ from lightning_multids._lifecycle import (
     zero3_on_device,
 )
 from lightning_multids._model_summary import count_partitioned
-from lightning_multids._planning import check_clip_algorithm, warn_clipping_overrides
+from lightning_multids._planning import check_clip_algorithm, optimizer_class, warn_clipping_overrides
 from lightning_multids._precision import EnginePrecision
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             it (a walk of the graph and one more all-reduce). By default a backward runs no collective of the
             strategy's own: every rank must reach the same engines, and ZeRO-2/3 engines in full (ZeRO-0/1 fill
             unreached parameters with zero gradients by themselves).
+        elementwise_optimizers: optimizer classes (or their import paths, ``"my_package.MyAdam"``) to train at
+            ZeRO-1/2/3 beside the element-wise ones the strategy knows (``torch.optim``'s SGD, Adam, AdamW, ...,
+            DeepSpeed's ``FusedAdam``/``DeepSpeedCPUAdam``...). There DeepSpeed steps an optimizer over flat
+            partitions of the engine's parameters, which gives ``torch.optim``'s result only for an optimizer that
+            updates each element from that element alone; any other (Adafactor, LAMB, Muon) is refused at setup.
     """
 
     strategy_name = "multi_deepspeed"
@@ -140,6 +145,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         gathered_timeout: timedelta | None = timedelta(minutes=5),
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
+        elementwise_optimizers: Sequence[type[Optimizer] | str] = (),
     ) -> None:
         _refuse_checkpoint_io(checkpoint_io)
         super().__init__(
@@ -168,6 +174,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self.gathered_timeout = gathered_timeout
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
+        self.elementwise_optimizers = [optimizer_class(kind) for kind in elementwise_optimizers]
         self._buffers_due = True
         """Whether the next ``training_step`` starts from rank 0's buffers (not within an accumulation window)."""
         self._buffers_to_sync = False
@@ -342,6 +349,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             ),
             averages=self.averages,
             find_unused=self.find_unused_parameters,
+            elementwise=self.elementwise_optimizers,
         )
         if not module.automatic_optimization:  # Lightning clips through configure_gradient_clipping otherwise
             self._engine_set.clip_by_default(trainer.gradient_clip_val, self.config, self.engine_configs)

@@ -44,6 +44,8 @@ class GAN(pl.LightningModule):
             return d
         if self.which == "lbfgs":
             return [torch.optim.LBFGS(self.generator.parameters()), d]
+        if self.which == "adafactor":
+            return [torch.optim.Adafactor(self.generator.parameters()), d]
         return [g, d]
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -342,6 +344,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     ),
     "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
     "closure_optimizer": (lambda: GAN(optimizers="lbfgs"), {}),
+    "tensorwise_optimizer": (lambda: GAN(optimizers="adafactor"), {}),
     "backbone_finetuning": (WithBackbone, {}),
     **{f"unfrozen_zero{stage}": (FrozenFirstLayer, {"stage": stage}) for stage in (0, 2, 3)},
     "unfrozen_zero0_bf16": (FrozenFirstLayer, {"stage": 0}),
@@ -494,6 +497,9 @@ EXPECTED = {
     },
     "closure_optimizer": r"optimizer of engine 'generator' \(`torch.optim.lbfgs.LBFGS`\) needs a closure.*"
     r"Give 'generator' an optimizer that steps without one",
+    "tensorwise_optimizer": r"engine 'generator' runs ZeRO-2, where DeepSpeed steps its optimizer "
+    r"\(`torch\.optim\.(_adafactor\.)?Adafactor`\) over flat partitions.*Give 'generator' ZeRO-0.*"
+    r"elementwise_optimizers=\[\"torch\.optim\.(_adafactor\.)?Adafactor\"\]",
     **{
         f"compiled_{kind}zero3": r"submodule 'generator' is a `torch.compile`d module and its engine runs ZeRO-3.*"
         r"Give 'generator' ZeRO-0/1/2"

@@ -61,7 +61,8 @@ def fit_scaled(stage: int) -> dict[str, Any]:
     """On each rank: the weights after fitting with ScaledSGD, and the error a plain SGD gives for ``scale=``."""
     at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
     options = {"use_distributed_sampler": False, "enable_checkpointing": False}
-    cpu_trainer(MultiDeepSpeedStrategy(stage=stage), callbacks=[at_end], **options).fit(Scaled(ScaledSGD))
+    strategy = MultiDeepSpeedStrategy(stage=stage, elementwise_optimizers=[ScaledSGD])  # its own step: declared
+    cpu_trainer(strategy, callbacks=[at_end], **options).fit(Scaled(ScaledSGD))
     try:
         cpu_trainer(MultiDeepSpeedStrategy(stage=stage), **options).fit(Scaled(torch.optim.SGD))
         error = "no error"

@@ -7,7 +7,9 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 
+from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids._optimizer import EngineScheduler, _GroupView
+from lightning_multids._planning import ELEMENTWISE_OPTIMIZERS, is_elementwise, optimizer_class
 from lightning_multids._record import EngineRecord
 from tests.unit.test_discovery import sgd
 
@@ -64,3 +66,31 @@ def test_repr_names_the_engine_and_shows_the_optimizer_as_torch_does() -> None:
     assert "Adam (\nParameter Group 0\n" in repr(optimizer) and "lr: 0.01\n" in repr(optimizer)
     # what `self.optimizers()` gives: Lightning's name, the rest once (Lightning's test of its wrapper expects that)
     assert str(LightningOptimizer(optimizer)) == "Lightning" + str(optimizer)
+
+
+class _OwnStep(torch.optim.Adam):
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        pass
+
+
+class _SameStep(torch.optim.Adam):
+    pass
+
+
+def test_a_subclass_is_element_wise_only_where_it_keeps_its_bases_step() -> None:
+    for kind in (_OwnStep, _SameStep, torch.optim.Adam):
+        kind([nn.Parameter(torch.ones(1))])  # torch wraps the class's step at its first instance
+    assert is_elementwise(torch.optim.Adam, ELEMENTWISE_OPTIMIZERS)
+    assert is_elementwise(_SameStep, ELEMENTWISE_OPTIMIZERS)
+    assert not is_elementwise(_OwnStep, ELEMENTWISE_OPTIMIZERS)
+    assert not is_elementwise(torch.optim.Adafactor, ELEMENTWISE_OPTIMIZERS)
+    assert is_elementwise(_OwnStep, [optimizer_class(f"{__name__}._OwnStep")])
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [("no_such_package.Adam", r"no class at that path.*full import path"), ("torch.nn.Linear", r"not a `torch.optim")],
+)
+def test_a_declared_optimizer_that_is_not_one_is_refused_at_construction(kind: str, message: str) -> None:
+    with pytest.raises(ValueError, match=rf"elementwise_optimizers=\[{kind!r}\].*{message}"):
+        MultiDeepSpeedStrategy(elementwise_optimizers=[kind])
