@@ -51,6 +51,45 @@ class _GroupView(MutableMapping):
         return len(self._group)
 
 
+class _StateView(MutableMapping):
+    """DeepSpeed's optimizer state (keyed by its flat partitions or fp32 copies), refusing the module's parameters.
+
+    ``opt.state[param]`` is ``torch.optim``'s way to read or reset one parameter's moments; where DeepSpeed holds
+    them elsewhere, the touch is refused naming DeepSpeed's per-parameter helpers, instead of an empty dict (then
+    ``KeyError: 'exp_avg'``) or an edit that reaches nothing. What the state holds passes through: its own keys,
+    and iterating, as Lightning's own walks over optimizer state (moving it to a device) expect.
+    """
+
+    def __init__(self, state: MutableMapping, params: set[torch.nn.Parameter], refusal: Callable[..., str]) -> None:
+        self._state, self._params, self._refusal = state, params, refusal
+
+    def _check(self, key: Any, verb: str, helper: str) -> None:
+        if isinstance(key, torch.Tensor) and key in self._params and key not in self._state:
+            raise RuntimeError(self._refusal("state[param]", verb, helper))
+
+    def __getitem__(self, key: Any) -> Any:
+        self._check(key, "read", "safe_get_full_optimizer_state")
+        return self._state[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._check(key, "set", "safe_set_full_optimizer_state")
+        self._state[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        self._check(key, "set", "safe_set_full_optimizer_state")
+        del self._state[key]
+
+    def __contains__(self, key: object) -> bool:
+        self._check(key, "read", "safe_get_full_optimizer_state")
+        return key in self._state
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
 class EngineOptimizer(Optimizer):
     """Steps and clears one DeepSpeed engine; what ``self.optimizers()`` returns under the strategy.
 
@@ -122,8 +161,14 @@ class EngineOptimizer(Optimizer):
 
     @property
     def state(self) -> Any:  # type: ignore[override]
-        """The optimizer state as DeepSpeed keeps it (per partition under ZeRO)."""
-        return self.optimizer.state
+        """The torch optimizer's per-parameter state at ZeRO-0 in fp32; elsewhere DeepSpeed's, refusing parameters.
+
+        There the state is in flat partitions or fp32 copies, not under the parameter (see :class:`_StateView`).
+        """
+        if self._torch_holds_the_state():
+            return self.optimizer.state
+        params = {param for group in self._params for param in group}
+        return _StateView(self.optimizer.state, params, self._no_torch_state)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The torch optimizer's ``state_dict()`` where it is the engine's optimizer (ZeRO-0 in fp32); else refused.

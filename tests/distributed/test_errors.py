@@ -108,6 +108,20 @@ def round_trips_optimizer_state(module: GAN, batch: torch.Tensor) -> None:
         raise ValueError(f"load_state_dict did not set the learning rate: {opt_g.param_groups[0]}")
 
 
+def touches_parameter_state(module: GAN, batch: torch.Tensor) -> None:
+    """After a step, reads a parameter's state (``torch.optim``'s ``opt.state[p]``), then resets it."""
+    real, z = patterns.split(batch)
+    opt_g, _ = module.optimizers()
+    module.manual_backward(module.generator(z).pow(2).mean())
+    opt_g.step()
+    param = next(module.generator.parameters())
+    if not isinstance(opt_g.state[param], dict):
+        raise TypeError(f"opt.state[param] is a {type(opt_g.state[param])}")
+    opt_g.state[param] = {}
+    if len(opt_g.state) == 0:
+        raise ValueError("opt.state holds no state after a step")
+
+
 def loads_optimizer_state(module: GAN, batch: torch.Tensor) -> None:
     _, opt_d = module.optimizers()
     opt_d.load_state_dict({"state": {}, "param_groups": []})
@@ -369,6 +383,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "optimizer_state_dict_zero0_bf16": (lambda: GAN(reads_optimizer_state), {"stage": 0}),
     "optimizer_state_dict_zero0": (lambda: GAN(round_trips_optimizer_state), {"stage": 0}),
     "optimizer_load_state_dict": (lambda: GAN(loads_optimizer_state), {"stage": 2}),
+    **{f"parameter_state_zero{stage}": (lambda: GAN(touches_parameter_state), {"stage": stage}) for stage in (0, 2, 3)},
     "zero_grad_before_step": (lambda: GAN(clears_before_step), {}),
     "offload_with_torch_optimizer": (
         lambda: GAN(returns_loss, "generator"),
@@ -518,6 +533,13 @@ EXPECTED = {
     r"trainer.save_checkpoint\(path\)` and `trainer.fit\(model, ckpt_path=path\)`, which write and read every "
     r"engine's part.$",  # no per-parameter helper: DeepSpeed's return nothing at ZeRO-0
     "optimizer_state_dict_zero0": r"^no error$",
+    "parameter_state_zero0": r"^no error$",  # the torch optimizer's own state, per parameter
+    **{
+        f"parameter_state_zero{stage}": r"`opt.state\[param\]` of engine 'generator': DeepSpeed keeps this optimizer's "
+        r"state in its own flat fp32 partitions.*`deepspeed.utils.safe_get_full_optimizer_state\(param, \"exp_avg\"\)` "
+        r"on every rank"
+        for stage in (2, 3)
+    },
     "optimizer_load_state_dict": r"`opt.load_state_dict\(...\)` of engine 'discriminator'.*ckpt_path=path.*"
     r"safe_set_full_optimizer_state\(param, value, \"exp_avg\"\)",
     "step_without_backward": r"`opt.step\(\)` of engine 'generator' was called with no gradient.*manual_backward",
