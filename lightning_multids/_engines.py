@@ -29,6 +29,7 @@ from lightning_multids._optimizer import EngineOptimizer
 from lightning_multids._precision import engine_dtype, loss_scaling
 from lightning_multids._record import NO_SYNC, EngineRecord, Phase
 from lightning_multids._routing import Router, refuse_uneven_zero3
+from lightning_multids._zero_grad import route_zero_grad
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class EngineSet:
         record = self.records[name]
         record.trainable = True
         self.optimizer_of[name] = EngineOptimizer(record, optimizer, params)
+        record.handles.append(route_zero_grad(record, self.optimizer_of[name].zero_grad))
         if engine.zero_optimization_stage() or engine_dtype(engine) != torch.float32:
             record.untrained = [(key, p) for key, p in engine.module.named_parameters() if not p.requires_grad]
         record.keeps_master = ds_compat.keeps_master_copy(engine)
@@ -292,6 +294,8 @@ class EngineSet:
             self._refuse_untrained()
         self.backward_calls += 1
         self._mark_gradients(route.entered, True)
+        for name in route.entered:
+            self.records[name].note_reach(route.missing.get(name, []))
 
     def _fp16_scaling(self, loss: torch.Tensor, plan: _BackwardPlan) -> tuple[Reach, float, dict[str, float]]:
         """The walk, loss scale and gradient factors of a backward where some trainable engine is fp16.

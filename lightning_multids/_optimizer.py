@@ -254,8 +254,11 @@ class EngineOptimizer(Optimizer):
         returned = False
         try:
             self.record.take_edits()  # edits since the last step reach the fp32 master copy
+            restore = self.record.hold_untouched()  # parameters without a gradient: as torch.optim leaves them
             with _passing(self.optimizer, kwargs):
                 self.engine.step()
+            if restore is not None:
+                restore()
             returned = True
             return self.engine.skipped_steps == skipped
         except NonFiniteGradients:  # stage 0, fp32: raised before the torch optimizer changed anything
@@ -326,6 +329,8 @@ class EngineOptimizer(Optimizer):
         if self.has_gradients:
             ds_compat.clear_gradients(self.engine)
         self._forget_gradients()
+        if not set_to_none:  # zeros, not None, as torch's: the next step steps every parameter
+            self.record.without_gradient = set()
 
     def _forget_gradients(self) -> None:
         """After the gradients were cleared: none until the next backward, and no pending :meth:`clip_next_step`."""

@@ -17,7 +17,7 @@ This module imports nothing of the package but ``_compat``, so each of those can
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -85,6 +85,9 @@ class EngineRecord:
     the start: the first step takes whatever happened before it.)"""
     storages: set[int] = field(default_factory=set)
     """Where its parameters' storages start, for :meth:`note_write` (made again at each take of edits)."""
+    without_gradient: set[int] | None = None
+    """Since its last step or ``zero_grad``: its parameters (indices in the module's order) that no backward gave a
+    gradient on any rank; None before the first backward (:meth:`note_reach`)."""
     _versions: list[int] = field(default_factory=list)
     _has_gradients: bool = False
 
@@ -96,8 +99,25 @@ class EngineRecord:
     @has_gradients.setter
     def has_gradients(self, value: bool) -> None:
         self._has_gradients = value
+        if not value:
+            self.without_gradient = None
         if self.guard is not None:  # reads of `param.grad` are refused from user code while it holds gradients
             (self.guard.enable if value else self.guard.disable)("grad")
+
+    def note_reach(self, missing: list[int]) -> None:
+        """A backward reached the engine and gave no gradient to its parameters ``missing`` (by index)."""
+        self.without_gradient = set(missing) if self.without_gradient is None else self.without_gradient & set(missing)
+
+    def hold_untouched(self) -> Callable[[], None] | None:
+        """Before a step, where some parameter got no gradient since the last clear: what puts it back after the step.
+
+        Its weights and optimizer state stay as they are, as ``torch.optim`` skips a parameter whose gradient is
+        None. None, at no cost, where every parameter got one.
+        """
+        if not self.without_gradient:
+            return None
+        params = list(self.engine.module.parameters())
+        return ds_compat.hold_still(self.engine, [params[index] for index in sorted(self.without_gradient)])
 
     def take_edits(self) -> None:
         """Carry edits of the weights since the last take into the master copy, where an edit may have happened.

@@ -102,6 +102,11 @@ class Route:
     """The engines whose parameters' hooks see this backward's gradients arrive (per-parameter reach and phases)."""
     unreached: dict[str, list[int]] = field(default_factory=dict)
     """Each entered engine's trained parameters (by index) that the backward does not reach, where there are some."""
+    missing: dict[str, list[int]] = field(default_factory=dict)
+    """Each entered engine's parameters (by index) that got no gradient from the backward on any rank, where there
+    are some: left as they are by the engine's next step, as ``torch.optim`` leaves a parameter whose gradient is
+    None (:meth:`EngineRecord.note_reach`). Known on every rank alike: agreed (``find_unused_parameters``), in one
+    process, or frozen since setup (``requires_grad=False``); see :meth:`note_missing`."""
     handles: list[RemovableHandle] = field(default_factory=list)
     """Hooks registered for this backward only, removed after it."""
     root_task: int = -1
@@ -127,6 +132,9 @@ class Route:
         uneven = agree(self) if self.agreeing else set()
         if not self.agreeing:
             self._fill_unreached()
+            for name in self.hooked & set(self.entered):
+                arrived = self.entered[name].arrived
+                self.note_missing(name, [index in arrived for index in range(self.sizes.get(name, 0))])
         for name in sorted(self.entered):
             engine, phases = self.engines[name], self.entered[name]
             if name in uneven:
@@ -135,6 +143,22 @@ class Route:
             nothing_left = bool(phases.ended) and not phases.pending
             stage2_done = nothing_left and engine.zero_optimization_stage() == 2 and not ds_compat.in_no_sync(engine)
             ds_compat.end_backward(engine, reduce=not stage2_done)
+
+    def note_missing(self, name: str, got: list[bool]) -> None:
+        """Record in :attr:`missing` the parameters of ``name`` that this rank's backward gave no gradient (``got``).
+
+        On several ranks without agreement, only those that require no gradient now (frozen since setup) count:
+        another rank's backward may have reached the others, and they are stepped with the zero gradients their
+        engine fills in (ZeRO-0/1; ZeRO-2/3 refuse such a reach), so every rank steps alike.
+        """
+        params = self.engines[name].module.parameters()
+        missing = [
+            index
+            for index, (param, hit) in enumerate(zip(params, got, strict=False))
+            if not hit and (not self.several_ranks or not param.requires_grad)
+        ]
+        if missing:
+            self.missing[name] = missing
 
     def _fill_unreached(self) -> None:
         """Without agreement: give the unreached trained parameters of an entered ZeRO-0/1 engine zero gradients.
@@ -354,19 +378,16 @@ class Router:
             entry = watched[name]
             entry.hold_late()
             entry.hold_again_if_replaced()
-            partly = judged and entry.engine.zero_optimization_stage() > 0  # ZeRO-1 fills the unreached; 2/3 refuse
-            try:  # at ZeRO-0 one reached accumulator answers (DeepSpeed's reduction fills the rest itself)
-                executed = list(map(will_execute, entry.nodes)) if partly else [any(map(will_execute, entry.nodes))]
+            try:  # hooks see the reach per parameter where there are some
+                executed = list(map(will_execute, entry.nodes)) if judged else [any(map(will_execute, entry.nodes))]
             except RuntimeError:  # under torch.autograd.grad: nothing is accumulated, nothing is reached
                 return []
             if not any(executed):
                 continue
             if name not in route.entered:
                 route.enter(name)
-            if partly and not all(executed):
-                unreached = entry.unreached(executed)
-                if unreached:
-                    route.unreached[name] = unreached
+            if judged and not all(executed):
+                route_missing(route, entry, executed)
         if judged:
             route.refuse_unreached()
         if not hooked:
@@ -457,6 +478,22 @@ class Router:
             route.leave()
             for hook in [*route.handles, *([handle] if handle is not None else [])]:
                 hook.remove()
+
+
+def route_missing(route: Route, entry: _Watched, executed: list[bool]) -> None:
+    """What a judged backward (one query) leaves without a gradient in ``entry``'s engine, by ``executed``.
+
+    Its trained parameters that require a gradient and are not reached: ZeRO-1 fills them, ZeRO-2/3 refuse them on
+    several ranks (:meth:`Route.finish`); ZeRO-0's reduction fills them itself. And what :attr:`Route.missing` keeps.
+    """
+    got = [True] * len(entry.params)
+    for index, hit in zip(entry.indices, executed, strict=True):
+        got[index] = hit
+    route.note_missing(entry.name, got)
+    if entry.engine.zero_optimization_stage() > 0:
+        unreached = entry.unreached(executed)
+        if unreached:
+            route.unreached[entry.name] = unreached
 
 
 def output_tensors(output: Any) -> Iterator[torch.Tensor]:
@@ -564,6 +601,10 @@ def agree(route: Route) -> set[str]:
         width = 2 + route.sizes.get(name, 0)
         high, low = highest[offset : offset + width], lowest[offset : offset + width]
         offset += width
+        if high[0] == 1:
+            missing = [index for index, order in enumerate(high[2:]) if order == 0]  # on no rank
+            if missing:
+                route.missing[name] = missing
         if high[0] == 1 and high != low:
             uneven.add(name)
             if high[1]:

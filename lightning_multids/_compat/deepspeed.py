@@ -85,7 +85,11 @@ _CLASS_METHODS: dict[type, tuple[str, ...]] = {
         "average_tensor",
         "setup_buckets",
     ),
-    DeepSpeedZeroOptimizer_Stage3: ("_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", "_fp32_state_allgather"),
+    DeepSpeedZeroOptimizer_Stage3: (
+        "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+        "_fp32_state_allgather",
+        "_get_fp32_opt_state_partition",
+    ),
     DeepSpeedZeRoOffload: (
         "_register_deepspeed_module",
         "release_backward_leftovers",
@@ -509,6 +513,88 @@ def take_weight_edits(engine: DeepSpeedEngine) -> None:
         return
     for index, (partitions, master) in enumerate(zip(low, high, strict=True)):
         _take_edits(partitions[torch.distributed.get_rank(group=optimizer.real_dp_process_group[index])], master)
+
+
+@torch.no_grad()
+def hold_still(engine: DeepSpeedEngine, params: list[torch.nn.Parameter]) -> Callable[[], None]:
+    """Copy what the engine's next step may change of ``params`` on this rank; return what puts it back after.
+
+    For parameters that got no gradient since the last clear, which ``torch.optim`` would skip while the engine's
+    optimizer steps them with zero gradients (momentum, Adam's moments and weight decay still move them). Copied:
+    the module's weights (at ZeRO-3 this rank's partition; the whole weights it keeps gathered are gathered again
+    after, every rank alike, as the parameters are agreed), the fp32 master copy (ZeRO-1/2 and bf16
+    ``_hp_mapping`` fragments, ZeRO-3's fp32 partition, ``FP16_UnfusedOptimizer``'s per-parameter copies) and the
+    optimizer state of each. Where the torch optimizer's state has no entry for a parameter yet (ZeRO-0), the entry
+    the step made is removed again; over ZeRO's flat partitions the state's step count is shared, and only the
+    moments are put back.
+    """
+    optimizer = engine.optimizer
+    views: list[torch.Tensor] = []
+    made: list[tuple[dict, Any]] = []  # state entries that did not exist before the step
+    if optimizer is torch_optimizer(engine) or isinstance(optimizer, FP16_UnfusedOptimizer):
+        state = optimizer.state if optimizer is torch_optimizer(engine) else optimizer.optimizer.state
+        copies = _fp32_copies(optimizer) if isinstance(optimizer, FP16_UnfusedOptimizer) else {}
+        for param in params:
+            stepped = copies.get(param, param)
+            views += [param.data, *([stepped.data] if stepped is not param else [])]
+            if stepped in state:
+                views += [value for value in state[stepped].values() if isinstance(value, torch.Tensor)]
+            else:
+                made.append((state, stepped))
+    elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
+        for param in params:
+            views += _zero3_views(optimizer, param)
+    else:  # ZeRO-1/2, BF16_Optimizer: fragments of this rank's flat partition (linked at the first step)
+        for param in params:
+            views.append(param.data)
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is not None:
+                views += [mapping.get_hp_fragment(), *(mapping.optim_fragment or {}).values()]
+    saved = [view.clone() for view in views]
+
+    @torch.no_grad()
+    def restore() -> None:
+        for view, value in zip(views, saved, strict=True):
+            view.copy_(value)
+        for state, key in made:
+            state.pop(key, None)
+        if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):  # whole again from the partitions put back
+            for param in params:
+                if is_gathered(param):  # alike on every rank (the parameters are agreed): a collective
+                    _gather_from_partitions(param)
+
+    return restore
+
+
+def _gather_from_partitions(param: torch.nn.Parameter) -> None:
+    """Set the whole weights of a gathered ZeRO-3 ``param`` from every rank's partition (``ds_tensor``)."""
+    local = param.ds_tensor  # type: ignore[attr-defined]
+    group = param.ds_process_group  # type: ignore[attr-defined]
+    whole = local.new_empty(local.numel() * torch.distributed.get_world_size(group=group))
+    torch.distributed.all_gather_into_tensor(whole, local.view(-1), group=group)
+    param.data.view(-1).copy_(whole.narrow(0, 0, param.numel()))
+
+
+def _fp32_copies(optimizer: FP16_UnfusedOptimizer) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """``FP16_UnfusedOptimizer``'s fp32 copy of each 16-bit parameter, which its torch optimizer steps."""
+    pairs = zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True)
+    return {low: high for lows, highs in pairs for low, high in zip(lows, highs, strict=True)}
+
+
+def _zero3_views(optimizer: DeepSpeedZeroOptimizer_Stage3, param: torch.nn.Parameter) -> list[torch.Tensor]:
+    """The partition of a ZeRO-3 ``param`` on this rank: its weights, fp32 master copy and optimizer states.
+
+    Where ZeRO-3 keeps the parameter whole (a small one, kept gathered), the step gathers it again from the
+    partitions it changed: :func:`hold_still` gathers it once more after putting them back.
+    """
+    views = [partition(param)[0]]
+    master, group = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False)
+    views.append(master)
+    flat = optimizer.fp32_partitioned_groups_flat[group]
+    for key, value in optimizer.optimizer.state.get(flat, {}).items():
+        if isinstance(value, torch.Tensor) and value.shape == flat.shape:
+            views.append(optimizer._get_fp32_opt_state_partition(param, False, optim_state_key=key)[0])
+    return views
 
 
 def _take_edits(weights: torch.Tensor, master: torch.Tensor) -> None:

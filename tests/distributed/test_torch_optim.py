@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids.checkpoint import consolidated_state_dicts
+from tests import patterns
 from tests.distributed.common import AtFitEnd, cpu_trainer, global_batch, regression_data, sharded_loader
 from tests.distributed.harness import on_ranks
 
@@ -168,3 +169,186 @@ def test_tensor_wise_optimizers_train_at_zero0_and_declared_element_wise_ones_at
     for (optimizer, stage), weights in zip(OPTIMIZER_CASES, results, strict=True):
         for key, value in reference(1, optimizer).items():
             torch.testing.assert_close(weights[key], value, msg=f"{optimizer} at ZeRO-{stage}: {key}")
+
+
+class TwoHeads(nn.Module):
+    """``head(tanh(body(x)))``, plus ``spare(x)`` where asked: a layer some steps leave without a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.spare = nn.Linear(4, 8), nn.Linear(8, 1), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, spare: bool) -> torch.Tensor:
+        out = self.head(torch.tanh(self.body(x))).squeeze(1)
+        return out + self.spare(x).squeeze(1) if spare else out
+
+
+def partial_loss(net: TwoHeads, batch: torch.Tensor, case: str, step: int) -> torch.Tensor:
+    """``frozen``: every layer used, ``body`` frozen after the first step; ``unused``: ``spare`` never used;
+    ``sometimes``: used on even steps only."""
+    if case == "frozen" and step == 1:
+        net.body.requires_grad_(False)
+    spare = case == "frozen" or (case == "sometimes" and step % 2 == 0)
+    return nn.functional.mse_loss(net(batch[:, :4], spare), batch[:, 4])
+
+
+class Partial(pl.LightningModule):
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case, self.net = case, TwoHeads()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(partial_loss(self.net, batch, self.case, batch_idx))
+        opt.step()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return partial_optimizer(self.net, self.case)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return sharded_loader(self, regression_data(PARTIAL_STEPS, PER_RANK), batch_size=PER_RANK)
+
+
+def partial_optimizer(net: nn.Module, case: str) -> torch.optim.Optimizer:
+    """AdamW, or for ``sometimes`` SGD with momentum: over ZeRO's flat partitions Adam's step count is one per group,
+    so a parameter that skipped steps is bias-corrected as if it had not (docs/limitations.md); both decay weights."""
+    if case == "sometimes":
+        return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.5)
+    return torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.5)
+
+
+PARTIAL_STEPS = 3
+
+
+def fit_partial(cases: list[tuple[str, int, str, bool]]) -> list[dict[str, torch.Tensor]]:
+    """On each rank: the weights after each ``(case, stage, precision, find_unused)`` fit of :class:`Partial`."""
+    results = []
+    for case, stage, precision, find_unused in cases:
+        at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
+        strategy = MultiDeepSpeedStrategy(stage=stage, find_unused_parameters=find_unused)
+        options = {"use_distributed_sampler": False, "enable_checkpointing": False, "precision": precision}
+        cpu_trainer(strategy, callbacks=[at_end], **options).fit(Partial(case))
+        results.append({key: value.float() for key, value in at_end.value.items()})
+    return results
+
+
+def partial_reference(case: str) -> dict[str, torch.Tensor]:
+    net = TwoHeads()
+    optimizer = partial_optimizer(net, case)
+    data = regression_data(PARTIAL_STEPS, PER_RANK)
+    for step in range(PARTIAL_STEPS):
+        optimizer.zero_grad()
+        partial_loss(net, global_batch(data, step, PER_RANK), case, step).backward()
+        optimizer.step()
+    return {f"net.{key}": value for key, value in net.state_dict().items()}
+
+
+PARTIAL_CASES = [
+    *[("frozen", stage, "32-true", False) for stage in range(4)],
+    *[("unused", stage, "32-true", True) for stage in range(4)],
+    *[("sometimes", stage, "32-true", True) for stage in (0, 2, 3)],
+]
+
+
+def test_parameters_without_a_gradient_are_left_as_torch_optim_leaves_them() -> None:
+    """Weight decay and momentum move a parameter stepped with a zero gradient; torch.optim skips it."""
+    results = on_ranks(fit_partial, PARTIAL_CASES)[0]
+    failures = []
+    for (case, stage, precision, find_unused), weights in zip(PARTIAL_CASES, results, strict=True):
+        for key, value in partial_reference(case).items():
+            error = (weights[key] - value).abs().max().item()
+            if error > 1e-5:
+                failures.append(
+                    f"{case} at ZeRO-{stage} {precision} find_unused={find_unused}: {key} off by {error:.3g}"
+                )
+    assert not failures, "\n".join(failures)
+
+
+UNUSED_BF16 = [("unused", stage, "bf16-mixed", True) for stage in range(4)]
+
+
+def test_in_bf16_a_parameter_never_reached_keeps_its_first_weights() -> None:
+    """bf16 engines step an fp32 master copy: the unused layer's comes back as it started, bit for bit (or its bf16
+    weights, where the export reads those)."""
+    results = on_ranks(fit_partial, UNUSED_BF16)[0]
+    start = {f"net.{key}": value for key, value in TwoHeads().state_dict().items() if key.startswith("spare")}
+    for (_, stage, _, _), weights in zip(UNUSED_BF16, results, strict=True):
+        for key, value in start.items():
+            rounded = value.to(torch.bfloat16).float()
+            assert torch.equal(weights[key], value) or torch.equal(weights[key], rounded), f"ZeRO-{stage}: {key}"
+
+
+DCGAN_STEPS = 3
+
+
+def dcgan_step(
+    net_g: nn.Module, net_d: nn.Module, batch: torch.Tensor, opt_g: object, opt_d: object, backward: object
+) -> None:
+    """One step of PyTorch's DCGAN tutorial, as written there: each model cleared with ``net.zero_grad()``, and G's
+    loss backpropagated through D, whose gradients the next step's ``net_d.zero_grad()`` clears."""
+    real, z = patterns.split(batch)
+    bce = nn.functional.binary_cross_entropy_with_logits
+    net_d.zero_grad()
+    out = net_d(real).squeeze(1)
+    backward(bce(out, torch.ones_like(out)))
+    fake = net_g(z)
+    out = net_d(fake.detach()).squeeze(1)
+    backward(bce(out, torch.zeros_like(out)))
+    opt_d.step()
+    net_g.zero_grad()
+    out = net_d(fake).squeeze(1)
+    backward(bce(out, torch.ones_like(out)))
+    opt_g.step()
+
+
+def dcgan_optimizers(net_g: nn.Module, net_d: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.Adam(net.parameters(), lr=0.01, betas=(0.5, 0.999)) for net in (net_g, net_d)]
+
+
+class DCGAN(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net_g, self.net_d = patterns.make_modules()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        dcgan_step(self.net_g, self.net_d, batch, *self.optimizers(), self.manual_backward)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return dcgan_optimizers(self.net_g, self.net_d)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return sharded_loader(self, patterns.make_batches(DCGAN_STEPS, 2 * PER_RANK), batch_size=PER_RANK)
+
+
+def fit_dcgan(stages: list[int]) -> list[dict[str, torch.Tensor]]:
+    """On each rank: the weights after a DCGAN fit at each stage."""
+    results = []
+    for stage in stages:
+        at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
+        options = {"use_distributed_sampler": False, "enable_checkpointing": False}
+        cpu_trainer(MultiDeepSpeedStrategy(stage=stage), callbacks=[at_end], **options).fit(DCGAN())
+        results.append(at_end.value)
+    return results
+
+
+def dcgan_reference() -> dict[str, torch.Tensor]:
+    net_g, net_d = patterns.make_modules()
+    opt_g, opt_d = dcgan_optimizers(net_g, net_d)
+    data = patterns.make_batches(DCGAN_STEPS, 2 * PER_RANK)
+    for step in range(DCGAN_STEPS):
+        dcgan_step(net_g, net_d, global_batch(data, step, PER_RANK), opt_g, opt_d, torch.Tensor.backward)
+    weights = {f"net_g.{key}": value for key, value in net_g.state_dict().items()}
+    return weights | {f"net_d.{key}": value for key, value in net_d.state_dict().items()}
+
+
+def test_module_zero_grad_clears_what_the_engines_next_step_applies() -> None:
+    """PyTorch's DCGAN tutorial clears D with ``netD.zero_grad()``; at ZeRO-2/3 D's reduced gradients of G's loss
+    would otherwise reach D's next step."""
+    results = on_ranks(fit_dcgan, [0, 2, 3])[0]
+    for stage, weights in zip([0, 2, 3], results, strict=True):
+        for key, value in dcgan_reference().items():
+            torch.testing.assert_close(weights[key], value, msg=f"ZeRO-{stage}: {key}")

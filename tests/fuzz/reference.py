@@ -2,9 +2,10 @@
 
 Each backward runs once per rank's shard of the global batch, on ``loss / world_size``: the average of the
 ranks' gradients that DDP (and the strategy) take, also where a term depends on the rank's own data. The
-conventions the strategy documents are followed: ``opt.step()`` updates every parameter of its engine, one
-without a gradient as if it were zero (README Limitations: Adam's momentum moves it), and clears the
-gradients it applied (as DeepSpeed does); an EMA average follows ``AveragedModel`` with
+conventions the strategy documents are followed: ``opt.step()`` leaves a parameter that no rank's backward gave a
+gradient as ``torch.optim`` does, except one that requires a gradient in a fit without ``find_unused_parameters``,
+which it steps with a zero gradient (docs/limitations.md: momentum moves it), and clears the gradients it applied
+(as DeepSpeed does); an EMA average follows ``AveragedModel`` with
 ``get_ema_multi_avg_fn`` after each step of its source; ``full_gradients`` of an engine holds its trainable
 parameters' averaged gradients (zeros where none arrived). A resume (``Case.resume``) starts with no gradients
 (a checkpoint holds none, as under DDP); resumed without ``ema=``, the average stops following its source.
@@ -75,6 +76,8 @@ class ReferenceBackend:
             name: program.make_optimizer(str(case.engine(name).optimizer), modules[name].parameters())
             for name in case.trained
         }
+        self.engine_steps: dict[str, int] = {}
+        """Each trained engine's steps so far (Adam's step count over ZeRO-1/2/3's partitions)."""
         self.averaged = 0
         self.following = True
         """Whether the EMA average follows its source (not after a resume without ``ema=``)."""
@@ -136,9 +139,13 @@ class ReferenceBackend:
             raise InvalidCase(f"{name} steps without gradients on every rank")
         if self.case.read_before_step:
             self.reads.append(Read("before_step", name, gradients(self.modules[name])))
-        for p in self.modules[name].parameters():  # README Limitations: a step updates every parameter of the
-            if p.grad is None:  # engine; torch.optim would skip one without a gradient (Adam's momentum moves it)
-                p.grad = torch.zeros_like(p)
+        for p in self.modules[name].parameters():  # docs/limitations.md: without find_unused_parameters a ZeRO-0/1
+            if p.grad is None and p.requires_grad and not self.case.find_unused:  # engine steps what no rank's
+                p.grad = torch.zeros_like(p)  # backward reached with a zero gradient; torch.optim skips it otherwise
+        engine = self.case.engine(name)
+        if engine.stage > 0 and engine.optimizer == "adam":
+            share_step_count(self.optimizers[name], self.engine_steps.get(name, 0))
+        self.engine_steps[name] = self.engine_steps.get(name, 0) + 1
         self.optimizers[name].step()
         self.zero_grad(name)  # the strategy's opt.step() clears the gradients it applied, as DeepSpeed's step does
         ema = self.case.ema
@@ -174,6 +181,17 @@ class ReferenceBackend:
         with torch.no_grad():
             for p in self.modules[name].parameters():
                 p.mul_(EDIT_FACTOR)
+
+
+def share_step_count(optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """Give every parameter of an Adam the engine's step count ``steps``, as ZeRO-1/2/3's flat partitions have one
+    (docs/limitations.md): a parameter that skipped steps is bias-corrected with it; torch counts each one's own."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:  # what Adam makes at a parameter's first step
+                state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"] = torch.tensor(float(steps))
 
 
 def move_towards(average: nn.Module, source: nn.Module, weight: float) -> None:

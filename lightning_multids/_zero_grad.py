@@ -1,0 +1,63 @@
+"""``module.zero_grad()`` on a trained engine's submodule, as under ``DDPStrategy``.
+
+Under DDP, ``netD.zero_grad()`` (PyTorch's DCGAN tutorial clears its models this way, not through the optimizer)
+sets the gradients the next ``optimizer.step()`` applies to None. An engine's gradients are not all in
+``param.grad``: ZeRO-2/3 reduce them into flat partitions at each backward, which ``nn.Module.zero_grad`` does not
+see, so the next step would apply them anyway. So each trained engine's module gets its own ``zero_grad`` for the
+fit (an instance attribute, removed at teardown) that clears the engine as ``opt.zero_grad()`` does. A submodule
+inside an engine's module clears only its own parameters, which a flat partition cannot do: it is refused while
+the engine holds gradients, and is torch's own otherwise (there is nothing to clear).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_multids._record import EngineRecord
+
+
+class _Removing(RemovableHandle):
+    """A handle whose removal takes the instance ``zero_grad`` off each module again."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__(OrderedDict())  # a dict subclass: the handle refers to it weakly
+        self._modules = modules
+
+    def remove(self) -> None:
+        for module in self._modules:
+            module.__dict__.pop("zero_grad", None)
+        self._modules = []
+
+
+def route_zero_grad(record: EngineRecord, clear: Callable[[bool], None]) -> RemovableHandle:
+    """Give ``record``'s module a ``zero_grad`` that calls ``clear(set_to_none)``; returns what takes it off.
+
+    Each of its submodules gets one that refuses while the engine holds gradients (see the module's text).
+    """
+    root = record.engine.module
+    parts = [(name, module) for name, module in root.named_modules() if module is not root]
+    root.zero_grad = clear  # type: ignore[method-assign]
+    for name, module in parts:
+        module.zero_grad = _part_zero_grad(record, name, module)  # type: ignore[method-assign]
+    return _Removing([root, *(module for _, module in parts)])
+
+
+def _part_zero_grad(record: EngineRecord, part: str, module: nn.Module) -> Callable[..., None]:
+    own = type(module).zero_grad.__get__(module)
+
+    def zero_grad(set_to_none: bool = True, **kwargs: Any) -> None:
+        if record.has_gradients:
+            raise RuntimeError(
+                f"`zero_grad()` of `{part}`, a part of the engine {record.name!r}, while the engine holds gradients: "
+                "its reduced gradients are one flat partition for the whole engine, which cannot be cleared for a "
+                f"part of it. Clear the whole engine (`self.{record.name}.zero_grad()` or its optimizer's "
+                "`zero_grad()`), or give the part its own optimizer (its own engine) if it is cleared on its own."
+            )
+        own(set_to_none, **kwargs)
+
+    return zero_grad
