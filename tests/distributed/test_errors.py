@@ -122,6 +122,15 @@ def touches_parameter_state(module: GAN, batch: torch.Tensor) -> None:
         raise ValueError("opt.state holds no state after a step")
 
 
+def clears_a_part(module: GAN, batch: torch.Tensor) -> None:
+    """``zero_grad()`` of one layer of the discriminator between its backward and its step."""
+    real, _ = patterns.split(batch)
+    _, opt_d = module.optimizers()
+    module.manual_backward(module.discriminator(real).mean())
+    module.discriminator[0].zero_grad()
+    opt_d.step()
+
+
 def loads_optimizer_state(module: GAN, batch: torch.Tensor) -> None:
     _, opt_d = module.optimizers()
     opt_d.load_state_dict({"state": {}, "param_groups": []})
@@ -383,6 +392,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "optimizer_state_dict_zero0_bf16": (lambda: GAN(reads_optimizer_state), {"stage": 0}),
     "optimizer_state_dict_zero0": (lambda: GAN(round_trips_optimizer_state), {"stage": 0}),
     "optimizer_load_state_dict": (lambda: GAN(loads_optimizer_state), {"stage": 2}),
+    "zero_grad_of_a_part": (lambda: GAN(clears_a_part), {"stage": 2}),
     **{f"parameter_state_zero{stage}": (lambda: GAN(touches_parameter_state), {"stage": stage}) for stage in (0, 2, 3)},
     "zero_grad_before_step": (lambda: GAN(clears_before_step), {}),
     "offload_with_torch_optimizer": (
@@ -533,7 +543,9 @@ EXPECTED = {
     r"trainer.save_checkpoint\(path\)` and `trainer.fit\(model, ckpt_path=path\)`, which write and read every "
     r"engine's part.$",  # no per-parameter helper: DeepSpeed's return nothing at ZeRO-0
     "optimizer_state_dict_zero0": r"^no error$",
-    "parameter_state_zero0": r"^no error$",  # the torch optimizer's own state, per parameter
+    "parameter_state_zero0": r"^no error$",
+    "zero_grad_of_a_part": r"`zero_grad\(\)` of `0`, a part of the engine 'discriminator', while the engine holds "
+    r"gradients.*Clear the whole engine \(`self.discriminator.zero_grad\(\)`",  # the torch optimizer's own state, per parameter
     **{
         f"parameter_state_zero{stage}": r"`opt.state\[param\]` of engine 'generator': DeepSpeed keeps this optimizer's "
         r"state in its own flat fp32 partitions.*`deepspeed.utils.safe_get_full_optimizer_state\(param, \"exp_avg\"\)` "
