@@ -38,7 +38,8 @@ class Engine:
     name: str
     hidden: int = 4
     optimizer: str | None = "sgd"
-    """``"sgd"``, ``"adam"``, or None for a frozen engine (an ``engine_configs`` entry and no optimizer)."""
+    """``"sgd"``, ``"adam"``, ``"adamw"`` (weight decay), ``"adafactor"`` (tensor-wise: refused at ZeRO-1/2/3), or None
+    for a frozen engine (an ``engine_configs`` entry and no optimizer)."""
     stage: int = 0
     offload: bool = False
     """``offload_optimizer: {device: cpu}`` (torch's optimizer stepping on the CPU)."""
@@ -48,6 +49,10 @@ class Engine:
     """Its last two layers under ``torch.utils.checkpoint`` (``"reentrant"`` or ``"non_reentrant"``)."""
     shares: str | None = None
     """An earlier engine whose first layer this one reuses (the same ``nn.Linear``): refused at setup."""
+    scalar: bool = False
+    """A learned 0-dim scale after the MLP (CLIP's ``logit_scale``)."""
+    freeze_at: int | None = None
+    """From this training step on, its first layer is frozen (``requires_grad_(False)``): no gradient, left alone."""
 
     @property
     def trained(self) -> bool:
@@ -164,6 +169,9 @@ class Case:
     find_unused: bool = False
     """``MultiDeepSpeedStrategy(find_unused_parameters=True)``: drawn, and set where the case needs it (a backward that
     reaches an engine on some ranks only, or a ZeRO-2/3 engine in part; :func:`reference.resolve`)."""
+    zero_grad_by: str = "optimizer"
+    """How a phase clears an engine: ``"optimizer"`` (``opt.zero_grad()``) or ``"module"``
+    (``self.<engine>.zero_grad()``, as PyTorch's DCGAN tutorial)."""
 
     def engine(self, name: str) -> Engine:
         return next(engine for engine in self.engines if engine.name == name)
@@ -211,10 +219,13 @@ class Switches:
     """Clipping before a step and weight edits after a phase (drawn last: a seed's case is otherwise the same)."""
     find_unused: bool = True
     """``find_unused_parameters=True`` where the case does not need it (drawn after everything else)."""
+    torch_optim: bool = True
+    """What ``torch.optim`` does per parameter: 0-dim parameters, layers frozen mid-fit, ``module.zero_grad()``, AdamW's
+    weight decay and Adafactor (drawn after everything else, from a generator of their own)."""
 
 
 FULL = Switches()
-BEFORE_RESUME = Switches(shared_params=False, resume=False, touches=False)
+BEFORE_RESUME = Switches(shared_params=False, resume=False, touches=False, torch_optim=False)
 """The grammar before shared layers and resumes were added: the seeds chosen then draw the same cases in it."""
 SAFE = Switches(
     offload=False,  # known defect 2: ZeRO-2 + offload_optimizer keeps gradients that zero_grad() should drop
@@ -226,6 +237,7 @@ SAFE = Switches(
     shared_params=False,  # drawn after the six defects' seeds were chosen: left out so those seeds draw alike
     resume=False,
     touches=False,
+    torch_optim=False,
 )
 """The dimensions of :data:`FULL` without those of the six defects known on 2026-11-24."""
 SAFE_RESUMING = dataclasses.replace(SAFE, shared_params=True, resume=True)
@@ -326,7 +338,33 @@ def draw_case(seed: int, rng: random.Random, switches: Switches) -> Case:
         draw_touches(rng, case, phase, switches)
     # from a generator of its own: the main one draws what it drew before the option existed, seed for seed
     case.find_unused = chance(random.Random(f"find_unused {seed}"), 0.3, switches.find_unused)
+    draw_torch_optim(random.Random(f"torch_optim {seed}"), case, switches)
     return case
+
+
+def draw_torch_optim(rng: random.Random, case: Case, switches: Switches) -> None:
+    """Maybe 0-dim scales, layers frozen mid-fit, ``module.zero_grad()``, AdamW or Adafactor.
+
+    A frozen layer is not drawn beside ``toggle_optimizer`` (Lightning's toggle sets ``requires_grad`` back to True on
+    the toggled optimizer's parameters) nor on a shared layer.
+    """
+    if not switches.torch_optim:
+        return
+    shared = {engine.shares for engine in case.engines if engine.shares}
+    toggles = any(phase.toggle for phase in case.phases)
+    for engine in case.engines:
+        plain = engine.inner_checkpoint is None and engine.shares is None and engine.name not in shared
+        engine.scalar = plain and chance(rng, 0.2)
+        if not engine.trained:
+            continue
+        if plain and not toggles and case.steps > 1 and chance(rng, 0.15):
+            engine.freeze_at = 1
+        draw = rng.random()
+        if draw < 0.15:
+            engine.optimizer = "adamw"
+        elif draw < 0.2:
+            engine.optimizer = "adafactor"
+    case.zero_grad_by = "module" if chance(rng, 0.3) else "optimizer"
 
 
 def draw_touches(rng: random.Random, case: Case, phase: Phase, switches: Switches) -> None:
@@ -502,6 +540,7 @@ PHASE_DEFAULTS |= {"zero_grad": "after", "step": "owner", "clip": 0.0, "edit": "
 TERM_DEFAULTS = {"penalty": False, "gate": "always", "scale": "const", "weight": 1.0, "target": "zero", "source": "x"}
 CALL_DEFAULTS = {"detach": False, "no_grad": False, "checkpoint": None}
 ENGINE_DEFAULTS = {"offload": False, "fp32_grad_accum": False, "inner_checkpoint": None, "shares": None, "hidden": 4}
+ENGINE_DEFAULTS |= {"scalar": False, "freeze_at": None}
 RESUME_DEFAULTS = {"stages": {}, "inside": None, "drop_ema": False, "drop_frozen": []}
 
 
@@ -520,6 +559,7 @@ def edits(case: Case) -> Iterator[Edit]:
     yield SetField((), "ema", None)
     yield SetField((), "precision", "32-true")
     yield SetField((), "read_before_step", False)
+    yield SetField((), "zero_grad_by", "optimizer")
     yield SetField((), "read_after_backward", [])
     if len(case.read_after_backward) > 1:
         yield SetField((), "read_after_backward", case.read_after_backward[:1])

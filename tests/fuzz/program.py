@@ -22,7 +22,7 @@ from tests.patterns import CheckpointedMLP
 LossOf = Callable[[torch.Tensor], torch.Tensor]
 """A loss as a function of one rank's batch (it takes its own micro-batch of it)."""
 
-LEARNING_RATES = {"sgd": 0.2, "adam": 0.02}
+LEARNING_RATES = {"sgd": 0.2, "adam": 0.02, "adamw": 0.02, "adafactor": 0.02}
 
 
 class Backend(Protocol):
@@ -62,8 +62,19 @@ def make_module(case: Case, name: str) -> nn.Module:
     hidden = case.engine(engine.shares).hidden if engine.shares else engine.hidden  # its first layer is replaced
     layers = (nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, FEATURES))
     if engine.inner_checkpoint is None:
-        return nn.Sequential(*layers)
+        return nn.Sequential(*layers, *([Scale()] if engine.scalar else []))
     return CheckpointedMLP(*layers, use_reentrant=engine.inner_checkpoint == "reentrant")
+
+
+class Scale(nn.Module):
+    """``x * exp(log_scale)``, a learned 0-dim parameter (CLIP's ``logit_scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.zeros([]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.log_scale.exp()
 
 
 def make_modules(case: Case) -> dict[str, nn.Module]:
@@ -84,6 +95,10 @@ def make_data(case: Case) -> torch.Tensor:
 def make_optimizer(kind: str, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=LEARNING_RATES["sgd"])
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=LEARNING_RATES["adamw"], weight_decay=0.5)
+    if kind == "adafactor":
+        return torch.optim.Adafactor(params, lr=LEARNING_RATES["adafactor"])
     return torch.optim.Adam(params, lr=LEARNING_RATES["adam"])
 
 
@@ -220,5 +235,8 @@ def run_phase(backend: Backend, case: Case, phase: Phase, modules: dict[str, nn.
 
 
 def training_step(backend: Backend, case: Case, modules: dict[str, nn.Module], batch_idx: int) -> None:
+    for engine in case.engines:
+        if engine.freeze_at is not None and batch_idx >= engine.freeze_at:
+            modules[engine.name][0].requires_grad_(False)
     for phase in case.phases:
         run_phase(backend, case, phase, modules, batch_idx)

@@ -143,7 +143,7 @@ class ReferenceBackend:
             if p.grad is None and p.requires_grad and not self.case.find_unused:  # engine steps what no rank's
                 p.grad = torch.zeros_like(p)  # backward reached with a zero gradient; torch.optim skips it otherwise
         engine = self.case.engine(name)
-        if engine.stage > 0 and engine.optimizer == "adam":
+        if engine.stage > 0 and engine.optimizer in ("adam", "adamw"):
             share_step_count(self.optimizers[name], self.engine_steps.get(name, 0))
         self.engine_steps[name] = self.engine_steps.get(name, 0) + 1
         self.optimizers[name].step()

@@ -55,7 +55,10 @@ class StrategyBackend:
         self.optimizers[name].step()
 
     def zero_grad(self, name: str) -> None:
-        self.optimizers[name].zero_grad()
+        if self.module.case.zero_grad_by == "module":
+            getattr(self.module, name).zero_grad()
+        else:
+            self.optimizers[name].zero_grad()
 
     def toggled(self, name: str) -> contextlib.AbstractContextManager:
         return self.module.toggled_optimizer(self.optimizers[name])
