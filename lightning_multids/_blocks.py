@@ -203,10 +203,7 @@ def gathered(
         params = [param for param in engine.module.parameters() if is_zero_param(param)]
         if (params or modifier_rank is not None) and arrive is not None:  # the block's collectives follow
             arrive(block)
-        with (
-            torch.no_grad(),
-            deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank, enabled=bool(params)),
-        ):
+        with torch.no_grad(), ds_compat.gathered_parameters(params, modifier_rank):
             restore = ds_compat.suspend_zero3_hooks(engine) if params else None
             try:
                 yield engine.module

@@ -68,6 +68,8 @@ class EngineSet:
     """Routes each backward through the trainable engines it reaches."""
     averager: Averager | None = None
     """Updates the EMA engines after their sources' steps (``MultiDeepSpeedStrategy(ema=...)``)."""
+    handles: list[RemovableHandle] = field(default_factory=list)
+    """What is put on the LightningModule itself for the fit (its ``zero_grad``), removed at teardown."""
     _plan: _BackwardPlan | None = field(default=None, repr=False)
     """What every backward reads (:meth:`_backward_plan`); made again after an engine is added."""
 
@@ -105,6 +107,7 @@ class EngineSet:
         record.trainable = True
         self.optimizer_of[name] = EngineOptimizer(record, optimizer, params)
         record.handles.append(route_zero_grad(record, self.optimizer_of[name].zero_grad))
+        record.stepped = frozenset(index for index, p in enumerate(engine.module.parameters()) if p.requires_grad)
         if engine.zero_optimization_stage() or engine_dtype(engine) != torch.float32:
             record.untrained = [(key, p) for key, p in engine.module.named_parameters() if not p.requires_grad]
         record.keeps_master = ds_compat.keeps_master_copy(engine)

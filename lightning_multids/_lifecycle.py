@@ -52,6 +52,7 @@ from lightning_multids._engines import EngineSet
 from lightning_multids._planning import Plan, check_batch_settings, config_scheduler, plan_engines
 from lightning_multids._precision import autocast_off, cast_inputs, engine_dtype
 from lightning_multids._routing import Router
+from lightning_multids._zero_grad import route_module_zero_grad
 
 CPU = torch.device("cpu")
 
@@ -114,6 +115,7 @@ def build_engines(
     result = EngineSet(router=Router(find_unused))
     try:
         _build_trainable(result, module, plan, configs, device)
+        result.handles.append(route_module_zero_grad(module, [optimizer.zero_grad for optimizer in result.optimizers]))
         for name, config in plan.frozen.items():
             _add_frozen(result, name, build_frozen_engine(getattr(module, name), config, device))
         _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
@@ -199,6 +201,7 @@ def _add_trainable(
     with _released_on_error(engine) as handles:
         ds_compat.check_engine(name, engine)
         ds_compat.undo_initial_step(engine)
+        ds_compat.scalar_safe_clipping(engine)
         handles += attach(name, engine)
         handles += result.router.watch(name, engine)
     result.add_trainable(name, engine, optimizer, params, handles)
@@ -228,6 +231,9 @@ def release_engines(engines: EngineSet) -> None:
     for record in engines.records.values():
         detach(record.engine, record.handles)
         record.handles = []
+    for handle in engines.handles:
+        handle.remove()
+    engines.handles = []
 
 
 def build_engine(

@@ -255,10 +255,12 @@ class EngineOptimizer(Optimizer):
         try:
             self.record.take_edits()  # edits since the last step reach the fp32 master copy
             restore = self.record.hold_untouched()  # parameters without a gradient: as torch.optim leaves them
-            with _passing(self.optimizer, kwargs):
-                self.engine.step()
-            if restore is not None:
-                restore()
+            try:
+                with _passing(self.optimizer, kwargs):
+                    self.engine.step()
+            finally:  # also where a step hook raised after the optimizer stepped
+                if restore is not None:
+                    restore()
             returned = True
             return self.engine.skipped_steps == skipped
         except NonFiniteGradients:  # stage 0, fp32: raised before the torch optimizer changed anything
@@ -326,11 +328,12 @@ class EngineOptimizer(Optimizer):
         Every gradient an engine receives comes through a routed backward, which sets ``has_gradients``;
         without one since the last clear there is nothing to clear.
         """
+        kept = self.record.without_gradient
         if self.has_gradients:
             ds_compat.clear_gradients(self.engine)
         self._forget_gradients()
-        if not set_to_none:  # zeros, not None, as torch's: the next step steps every parameter
-            self.record.without_gradient = set()
+        if not set_to_none:  # torch's zeros where there was a gradient: those are stepped, the others still not
+            self.record.without_gradient = kept
 
     def _forget_gradients(self) -> None:
         """After the gradients were cleared: none until the next backward, and no pending :meth:`clip_next_step`."""

@@ -19,6 +19,7 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
 from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
@@ -92,6 +93,8 @@ def plan_engines(
         _check_offloaded_optimizer(name, configs[name], optimizers[index])
         _check_steps_without_closure(name, optimizers[index])
         _check_elementwise(name, configs[name], optimizers[index], (*ELEMENTWISE_OPTIMIZERS, *elementwise))
+    for name in from_config:
+        _check_config_optimizer(name, configs[name], (*ELEMENTWISE_OPTIMIZERS, *elementwise))
     frozen = {
         name: frozen_config(name, configs[name], overrides[name])
         for name in overrides
@@ -205,15 +208,40 @@ def _check_elementwise(
     kind = type(optimizer)
     if stage == 0 or is_elementwise(kind, known):
         return
-    path = f"{kind.__module__}.{kind.__qualname__}"
-    raise ValueError(
-        f"The engine {name!r} runs ZeRO-{stage}, where DeepSpeed steps its optimizer (`{path}`) over flat partitions "
+    raise ValueError(_tensorwise_refusal(name, stage, f"`{kind.__module__}.{kind.__qualname__}`", kind))
+
+
+def _check_config_optimizer(name: str, config: Mapping[str, Any], known: Sequence[type[Optimizer]]) -> None:
+    """Refuse, at ZeRO-1/2/3, a DeepSpeed config's ``optimizer`` that is not element-wise (``"Adafactor"``, LAMB).
+
+    DeepSpeed builds its own optimizers by name (Adam, AdamW, Adagrad, Lion, the mu-P ones: element-wise; its
+    Muon, which keeps each matrix whole at ZeRO-1/2; LAMB, which does not) and any other from ``torch.optim``.
+    """
+    stage, kind = zero_stage(config), str(config["optimizer"].get("type", ""))
+    if stage == 0:
+        return
+    if kind.lower() == "lamb":
+        raise ValueError(_tensorwise_refusal(name, stage, f"DeepSpeed's {kind!r}", None))
+    found = getattr(torch.optim, kind, None)
+    if kind.lower() in DEEPSPEED_OPTIMIZERS or not isinstance(found, type) or is_elementwise(found, known):
+        return
+    raise ValueError(_tensorwise_refusal(name, stage, f"`torch.optim.{kind}` (its config's `optimizer`)", found))
+
+
+def _tensorwise_refusal(name: str, stage: int, what: str, kind: type[Optimizer] | None) -> str:
+    declare = ""
+    if kind is not None:
+        path = f"{kind.__module__}.{kind.__qualname__}"
+        declare = (
+            f"; or, if `{kind.__qualname__}` updates each element from that element's gradient and state alone, "
+            f'declare it: `MultiDeepSpeedStrategy(elementwise_optimizers=["{path}"])`'
+        )
+    return (
+        f"The engine {name!r} runs ZeRO-{stage}, where DeepSpeed steps its optimizer ({what}) over flat partitions "
         "of the engine's parameters, not over each parameter as `torch.optim` does. An optimizer that treats each "
         "tensor as a whole (Adafactor, LAMB, LARS, Muon, Shampoo) computes something else there, silently. Give "
         f"{name!r} ZeRO-0 (`engine_configs={{{name!r}: {{'zero_optimization': {{'stage': 0}}}}}}`), or an "
-        "element-wise optimizer (`torch.optim.SGD`, `Adam`, `AdamW`, ...); or, if `"
-        f"{kind.__qualname__}` updates each element from that element's gradient and state alone, declare it: "
-        f'`MultiDeepSpeedStrategy(elementwise_optimizers=["{path}"])`.'
+        f"element-wise optimizer (`torch.optim.SGD`, `Adam`, `AdamW`, ...){declare}."
     )
 
 

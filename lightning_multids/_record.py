@@ -88,6 +88,9 @@ class EngineRecord:
     without_gradient: set[int] | None = None
     """Since its last step or ``zero_grad``: its parameters (indices in the module's order) that no backward gave a
     gradient on any rank; None before the first backward (:meth:`note_reach`)."""
+    stepped: frozenset[int] = frozenset()
+    """The parameters (indices in the module's order) its optimizer steps: those that required a gradient when the
+    engine was built (the others have no partition, master copy or state to keep)."""
     _versions: list[int] = field(default_factory=list)
     _has_gradients: bool = False
 
@@ -106,7 +109,8 @@ class EngineRecord:
 
     def note_reach(self, missing: list[int]) -> None:
         """A backward reached the engine and gave no gradient to its parameters ``missing`` (by index)."""
-        self.without_gradient = set(missing) if self.without_gradient is None else self.without_gradient & set(missing)
+        stepped = self.stepped.intersection(missing)
+        self.without_gradient = stepped if self.without_gradient is None else self.without_gradient & stepped
 
     def hold_untouched(self) -> Callable[[], None] | None:
         """Before a step, where some parameter got no gradient since the last clear: what puts it back after the step.

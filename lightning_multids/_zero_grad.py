@@ -1,12 +1,16 @@
-"""``module.zero_grad()`` on a trained engine's submodule, as under ``DDPStrategy``.
+"""``module.zero_grad()`` on a trained engine's submodule, or on the LightningModule, as under ``DDPStrategy``.
 
 Under DDP, ``netD.zero_grad()`` (PyTorch's DCGAN tutorial clears its models this way, not through the optimizer)
 sets the gradients the next ``optimizer.step()`` applies to None. An engine's gradients are not all in
 ``param.grad``: ZeRO-2/3 reduce them into flat partitions at each backward, which ``nn.Module.zero_grad`` does not
-see, so the next step would apply them anyway. So each trained engine's module gets its own ``zero_grad`` for the
-fit (an instance attribute, removed at teardown) that clears the engine as ``opt.zero_grad()`` does. A submodule
-inside an engine's module clears only its own parameters, which a flat partition cannot do: it is refused while
-the engine holds gradients, and is torch's own otherwise (there is nothing to clear).
+see, so the next step would apply them anyway. So for the fit each trained engine's module gets its own
+``zero_grad`` (an instance attribute, removed at teardown) that clears the engine as ``opt.zero_grad()`` does, and
+the LightningModule one that clears every trained engine and then its other parameters. A submodule inside an
+engine's module clears only its own parameters, which a flat partition cannot do: it is refused while the engine
+holds gradients, and is torch's own otherwise (there is nothing to clear).
+
+A copy of such a module made during the fit (``copy.deepcopy``: a snapshot, a target network) gets torch's own
+``zero_grad``: it is not the engine's.
 """
 
 from __future__ import annotations
@@ -21,6 +25,23 @@ from torch.utils.hooks import RemovableHandle
 from lightning_multids._record import EngineRecord
 
 
+class _ZeroGrad:
+    """The ``zero_grad`` put on ``module`` for the fit: ``clear(set_to_none)``.
+
+    A deep copy of ``module`` gets its class's own instead.
+    """
+
+    def __init__(self, module: nn.Module, clear: Callable[[bool], None]) -> None:
+        self._module, self._clear = module, clear
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        self._clear(set_to_none)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        copied = memo.get(id(self._module))  # the module being copied, made before its attributes are copied
+        return type(copied).zero_grad.__get__(copied) if copied is not None else type(self._module).zero_grad
+
+
 class _Removing(RemovableHandle):
     """A handle whose removal takes the instance ``zero_grad`` off each module again."""
 
@@ -30,7 +51,8 @@ class _Removing(RemovableHandle):
 
     def remove(self) -> None:
         for module in self._modules:
-            module.__dict__.pop("zero_grad", None)
+            if isinstance(module.__dict__.get("zero_grad"), _ZeroGrad):
+                del module.__dict__["zero_grad"]
         self._modules = []
 
 
@@ -41,16 +63,32 @@ def route_zero_grad(record: EngineRecord, clear: Callable[[bool], None]) -> Remo
     """
     root = record.engine.module
     parts = [(name, module) for name, module in root.named_modules() if module is not root]
-    root.zero_grad = clear  # type: ignore[method-assign]
+    root.zero_grad = _ZeroGrad(root, clear)  # type: ignore[method-assign]
     for name, module in parts:
-        module.zero_grad = _part_zero_grad(record, name, module)  # type: ignore[method-assign]
+        module.zero_grad = _ZeroGrad(module, _part_zero_grad(record, name, module))  # type: ignore[method-assign]
     return _Removing([root, *(module for _, module in parts)])
 
 
-def _part_zero_grad(record: EngineRecord, part: str, module: nn.Module) -> Callable[..., None]:
+def route_module_zero_grad(module: nn.Module, clears: list[Callable[[bool], None]]) -> RemovableHandle:
+    """Give the LightningModule a ``zero_grad`` that runs ``clears``, then torch's; returns what takes it off.
+
+    ``clears``: every trained engine's; torch's then clears the plain submodules' parameters too.
+    """
     own = type(module).zero_grad.__get__(module)
 
-    def zero_grad(set_to_none: bool = True, **kwargs: Any) -> None:
+    def zero_grad(set_to_none: bool = True) -> None:
+        for clear in clears:
+            clear(set_to_none)
+        own(set_to_none)
+
+    module.zero_grad = _ZeroGrad(module, zero_grad)  # type: ignore[method-assign]
+    return _Removing([module])
+
+
+def _part_zero_grad(record: EngineRecord, part: str, module: nn.Module) -> Callable[[bool], None]:
+    own = type(module).zero_grad.__get__(module)
+
+    def zero_grad(set_to_none: bool = True) -> None:
         if record.has_gradients:
             raise RuntimeError(
                 f"`zero_grad()` of `{part}`, a part of the engine {record.name!r}, while the engine holds gradients: "
@@ -58,6 +96,6 @@ def _part_zero_grad(record: EngineRecord, part: str, module: nn.Module) -> Calla
                 f"part of it. Clear the whole engine (`self.{record.name}.zero_grad()` or its optimizer's "
                 "`zero_grad()`), or give the part its own optimizer (its own engine) if it is cleared on its own."
             )
-        own(set_to_none, **kwargs)
+        own(set_to_none)
 
     return zero_grad

@@ -42,6 +42,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.runtime.utils import clip_grad_norm_
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.partition_parameters import Init as zero_init_class
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -68,6 +69,7 @@ _CLASS_METHODS: dict[type, tuple[str, ...]] = {
     DeepSpeedEngine: (
         "_backward_prologue",
         "_broadcast_model",
+        "clip_fp32_gradients",
         "_backward_epilogue",
         "_flush_coalesced_reduction_zero12",
         "_flush_coalesced_reduction_zero3",
@@ -276,6 +278,55 @@ def scalar_parameters_broadcast() -> Iterator[None]:
         yield
     finally:
         DeepSpeedEngine._broadcast_model, zero_init_class._zero_init_param = broadcast, init_param
+
+
+@contextmanager
+def gathered_parameters(params: list[torch.nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
+    """``deepspeed.zero.GatheredParameters(params, modifier_rank)``, where 0-dim parameters are broadcast too.
+
+    Its end broadcasts ``modifier_rank``'s weights as ``p.data.view(torch.uint8)``, which a 0-dim tensor refuses:
+    each 0-dim parameter's data is a 1-element view of the same storage while it ends, and 0-dim again where
+    ZeRO-3 keeps it whole after.
+    """
+    scalars = [param for param in params if getattr(param, "ds_shape", None) == torch.Size(())]
+    try:
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank, enabled=bool(params)):
+            try:
+                yield
+            finally:
+                for param in scalars:
+                    if param.data.dim() == 0:
+                        param.data = param.data.view(1)
+    finally:
+        for param in scalars:
+            if param.data.numel() == 1:
+                param.data = param.data.view(())
+
+
+def scalar_safe_clipping(engine: DeepSpeedEngine) -> None:
+    """Let a ZeRO-0 engine in fp32 clip the gradients of 0-dim parameters (``engine.clip_fp32_gradients``).
+
+    DeepSpeed 0.19.8's ``clip_grad_norm_`` multiplies each gradient in place by a 1-element tensor, which a 0-dim
+    gradient refuses (``output with shape [] doesn't match the broadcast shape [1]``): a 0-dim parameter is given
+    to it as a 1-element parameter whose gradient is a view of the 0-dim one's, so the product lands in it.
+    """
+    params = list(engine.module.parameters())
+    if not any(param.dim() == 0 for param in params):
+        return
+
+    def clip_fp32_gradients() -> None:
+        vectors = [_as_vector(param) for param in params]
+        clip_grad_norm_(parameters=vectors, max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients  # type: ignore[method-assign]
+
+
+def _as_vector(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    if param.dim() != 0 or param.grad is None:
+        return param
+    vector = torch.nn.Parameter(param.data.view(1), requires_grad=param.requires_grad)
+    vector.grad = param.grad.view(1)
+    return vector
 
 
 def torch_optimizer(engine: DeepSpeedEngine) -> Optimizer:
@@ -544,12 +595,12 @@ def hold_still(engine: DeepSpeedEngine, params: list[torch.nn.Parameter]) -> Cal
     elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         for param in params:
             views += _zero3_views(optimizer, param)
-    else:  # ZeRO-1/2, BF16_Optimizer: fragments of this rank's flat partition (linked at the first step)
+    else:  # ZeRO-1/2, BF16_Optimizer: fragments of this rank's flat partition
         for param in params:
             views.append(param.data)
             mapping = getattr(param, "_hp_mapping", None)
             if mapping is not None:
-                views += [mapping.get_hp_fragment(), *(mapping.optim_fragment or {}).values()]
+                views += [mapping.get_hp_fragment(), *_fragment_states(optimizer, mapping)]
     saved = [view.clone() for view in views]
 
     @torch.no_grad()
@@ -573,6 +624,27 @@ def _gather_from_partitions(param: torch.nn.Parameter) -> None:
     whole = local.new_empty(local.numel() * torch.distributed.get_world_size(group=group))
     torch.distributed.all_gather_into_tensor(whole, local.view(-1), group=group)
     param.data.view(-1).copy_(whole.narrow(0, 0, param.numel()))
+
+
+def _fragment_states(optimizer: DeepSpeedZeroOptimizer | BF16_Optimizer, mapping: Any) -> list[torch.Tensor]:
+    """A ZeRO-1/2 (or ``BF16_Optimizer``) parameter's fragment of each optimizer state of its flat fp32 partition.
+
+    Read from the optimizer's state by the fragment's address (``_hp_mapping.hp_fragment_address``), not from the
+    mapping's own links (``optim_fragment``), which DeepSpeed makes only at the first step after the mappings are
+    built, again after loading a checkpoint, and not after ``reload_states()``.
+    """
+    index = mapping.param_group_index
+    flats = (
+        optimizer.single_partition_of_fp32_groups
+        if isinstance(optimizer, DeepSpeedZeroOptimizer)
+        else optimizer.fp32_groups_flat_partition
+    )
+    flat, address = flats[index], mapping.hp_fragment_address
+    return [
+        value.narrow(0, address.start, address.numel)
+        for value in optimizer.optimizer.state.get(flat, {}).values()
+        if isinstance(value, torch.Tensor) and value.shape == flat.shape
+    ]
 
 
 def _fp32_copies(optimizer: FP16_UnfusedOptimizer) -> dict[torch.nn.Parameter, torch.Tensor]:

@@ -368,6 +368,10 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "returned_loss_in_manual": (lambda: GAN(returns_loss), {}),
     "closure_optimizer": (lambda: GAN(optimizers="lbfgs"), {}),
     "tensorwise_optimizer": (lambda: GAN(optimizers="adafactor"), {}),
+    "tensorwise_config_optimizer": (
+        lambda: GAN(returns_loss, "discriminator"),
+        {"engine_configs": {"generator": {"optimizer": {"type": "Adafactor", "params": {"lr": 0.01}}}}},
+    ),
     "backbone_finetuning": (WithBackbone, {}),
     **{f"unfrozen_zero{stage}": (FrozenFirstLayer, {"stage": stage}) for stage in (0, 2, 3)},
     "unfrozen_zero0_bf16": (FrozenFirstLayer, {"stage": 0}),
@@ -522,6 +526,8 @@ EXPECTED = {
     },
     "closure_optimizer": r"optimizer of engine 'generator' \(`torch.optim.lbfgs.LBFGS`\) needs a closure.*"
     r"Give 'generator' an optimizer that steps without one",
+    "tensorwise_config_optimizer": r"engine 'generator' runs ZeRO-2, where DeepSpeed steps its optimizer "
+    r"\(`torch.optim.Adafactor` \(its config's `optimizer`\)\) over flat partitions.*Give 'generator' ZeRO-0",
     "tensorwise_optimizer": r"engine 'generator' runs ZeRO-2, where DeepSpeed steps its optimizer "
     r"\(`torch\.optim\.(_adafactor\.)?Adafactor`\) over flat partitions.*Give 'generator' ZeRO-0.*"
     r"elementwise_optimizers=\[\"torch\.optim\.(_adafactor\.)?Adafactor\"\]",
@@ -543,9 +549,9 @@ EXPECTED = {
     r"trainer.save_checkpoint\(path\)` and `trainer.fit\(model, ckpt_path=path\)`, which write and read every "
     r"engine's part.$",  # no per-parameter helper: DeepSpeed's return nothing at ZeRO-0
     "optimizer_state_dict_zero0": r"^no error$",
-    "parameter_state_zero0": r"^no error$",
+    "parameter_state_zero0": r"^no error$",  # the torch optimizer's own state, per parameter
     "zero_grad_of_a_part": r"`zero_grad\(\)` of `0`, a part of the engine 'discriminator', while the engine holds "
-    r"gradients.*Clear the whole engine \(`self.discriminator.zero_grad\(\)`",  # the torch optimizer's own state, per parameter
+    r"gradients.*Clear the whole engine \(`self.discriminator.zero_grad\(\)`",
     **{
         f"parameter_state_zero{stage}": r"`opt.state\[param\]` of engine 'generator': DeepSpeed keeps this optimizer's "
         r"state in its own flat fp32 partitions.*`deepspeed.utils.safe_get_full_optimizer_state\(param, \"exp_avg\"\)` "

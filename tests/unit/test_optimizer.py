@@ -94,3 +94,20 @@ def test_a_subclass_is_element_wise_only_where_it_keeps_its_bases_step() -> None
 def test_a_declared_optimizer_that_is_not_one_is_refused_at_construction(kind: str, message: str) -> None:
     with pytest.raises(ValueError, match=rf"elementwise_optimizers=\[{kind!r}\].*{message}"):
         MultiDeepSpeedStrategy(elementwise_optimizers=[kind])
+
+
+def test_only_parameters_the_optimizer_steps_are_kept_from_a_step() -> None:
+    """Parameters frozen when the engine was built (a LoRA base) have nothing to keep: no copy at any step."""
+    record = EngineRecord("net", SimpleNamespace(), trainable=True)  # type: ignore[arg-type]
+    record.stepped = frozenset({0, 1})
+    record.has_gradients = True
+    record.note_reach([2])  # the frozen base only
+    assert record.without_gradient == set()
+    assert record.hold_untouched() is None
+    record.has_gradients = False
+    record.has_gradients = True
+    record.note_reach([1, 2])
+    record.note_reach([1])
+    assert record.without_gradient == {1}
+    record.note_reach([])  # a later backward reached it
+    assert record.without_gradient == set()
