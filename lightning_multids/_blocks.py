@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._gradients import from_own_code
+from lightning_multids._joined import called_modules
 from lightning_multids._record import NO_SYNC, BlockError, EngineRecord
 
 _EXCLUDES = {
@@ -331,11 +332,12 @@ def _asleep(record: EngineRecord) -> Iterator[None]:
     engine = record.engine
     pin = engine.device.type == "cuda"  # pinned host memory makes the copies back faster; a CPU has none
     engine.offload_states(pin_memory=pin)
-    handle = _refuse_forward(record.name, engine.module)
+    handles = [_refuse_forward(record.name, part) for part in called_modules(engine.module)]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         engine.reload_states()
         record.edited = True  # the weights came back in new storages: the next step takes them (and notes where)
 

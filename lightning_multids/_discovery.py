@@ -1,7 +1,7 @@
 """Discovery: which submodule each optimizer trains (at setup), and which engines a loss reaches (per backward).
 
-Engines are found from the optimizers of ``configure_optimizers``: each trains the direct child of the
-LightningModule that holds its parameters (:func:`match_optimizers`). A loss reaches the engines whose
+Engines are found from the optimizers of ``configure_optimizers``: one engine per optimizer, over the direct
+children of the LightningModule that hold its parameters (:func:`match_parts`). A loss reaches the engines whose
 parameters its autograd graph holds. The router finds them as their gradients arrive
 (:mod:`lightning_multids._routing`); only where the loss's scale depends on them (fp16 engines at different
 loss scales) are they read off the graph before the backward runs (:func:`reached_engines`), at a cost that
@@ -104,15 +104,24 @@ def parameter_owners(module: nn.Module) -> dict[int, str]:
 
 
 def match_optimizers(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict[str, int]:
-    """Return ``submodule name -> index of its optimizer`` for the optimizers of ``module``.
+    """Return ``engine name -> index of its optimizer``; an engine is named by its first part (:func:`match_parts`)."""
+    return {parts[0]: index for index, parts in enumerate(match_parts(module, optimizers))}
+
+
+def match_parts(module: nn.Module, optimizers: Sequence[Optimizer]) -> list[tuple[str, ...]]:
+    """For each optimizer of ``module``, the submodules whose parameters it holds, in ``module``'s child order.
+
+    An optimizer over several submodules trains them as one engine (:mod:`lightning_multids._joined`).
 
     Raises:
-        ValueError: an optimizer holds parameters of several submodules, or of the LightningModule
-            itself; a parameter is in two optimizers; two optimizers train one submodule.
+        ValueError: an optimizer holds parameters of the LightningModule itself, or none; a parameter is in two
+            optimizers; two optimizers train one submodule.
     """
     owners = parameter_owners(module)
+    order = {name: position for position, (name, _) in enumerate(module.named_children())}
     seen: dict[int, int] = {}
-    matched: dict[str, int] = {}
+    trained: dict[str, int] = {}
+    matched: list[tuple[str, ...]] = []
     for index, optimizer in enumerate(optimizers):
         names: dict[str, None] = {}
         for group in optimizer.param_groups:
@@ -125,7 +134,10 @@ def match_optimizers(module: nn.Module, optimizers: Sequence[Optimizer]) -> dict
                     )
                 seen[id(param)] = index
                 names.setdefault(_owner_of(param, owners, index))
-        matched.update(_one_submodule(names, index, matched))
+        parts = tuple(sorted(names, key=order.__getitem__))
+        _check_parts(parts, index, trained)
+        trained.update(dict.fromkeys(parts, index))
+        matched.append(parts)
     return matched
 
 
@@ -134,29 +146,22 @@ def _owner_of(param: torch.Tensor, owners: Mapping[int, str], index: int) -> str
     if owner is None:
         raise ValueError(
             f"Optimizer {index} holds a parameter that belongs to the LightningModule itself, not to a "
-            "submodule. MultiDeepSpeedStrategy builds one engine per submodule: move the parameter into a "
-            "submodule (e.g. an `nn.Module` attribute) and optimize that."
+            "submodule. MultiDeepSpeedStrategy builds one engine per optimizer over the submodules it trains: move "
+            "the parameter into a submodule (e.g. an `nn.Module` attribute) and optimize that."
         )
     return owner
 
 
-def _one_submodule(names: Mapping[str, None], index: int, matched: Mapping[str, int]) -> dict[str, int]:
-    if not names:
-        raise ValueError(f"Optimizer {index} holds no parameters. Give it the parameters of one submodule.")
-    if len(names) > 1:
-        listed = " and ".join(repr(n) for n in names)
-        raise ValueError(
-            f"Optimizer {index} holds parameters of {listed}. MultiDeepSpeedStrategy gives each submodule its "
-            "own DeepSpeed engine and optimizer: return one optimizer per submodule from "
-            "`configure_optimizers`, or put the parts in one parent submodule."
-        )
-    (name,) = names
-    if name in matched:
-        raise ValueError(
-            f"Optimizers {matched[name]} and {index} both train {name!r}. A DeepSpeed engine has one "
-            "optimizer: use one optimizer with several parameter groups for this submodule."
-        )
-    return {name: index}
+def _check_parts(parts: tuple[str, ...], index: int, trained: Mapping[str, int]) -> None:
+    if not parts:
+        raise ValueError(f"Optimizer {index} holds no parameters. Give it the parameters of the submodules it trains.")
+    for name in parts:
+        if name in trained:
+            raise ValueError(
+                f"Optimizers {trained[name]} and {index} both train {name!r}. MultiDeepSpeedStrategy builds one "
+                "DeepSpeed engine per optimizer over the submodules it trains, and an engine has one optimizer: "
+                f"train {name!r} with one optimizer (several parameter groups can give its layers their own settings)."
+            )
 
 
 def check_engine_names(module: nn.Module, names: Iterable[str]) -> None:

@@ -16,7 +16,7 @@ a weight by a thousandth of its distance to the source, below a bf16 weight's re
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,6 +170,7 @@ def check_averages(
     module: nn.Module,
     trainable: Collection[str],
     configs: Mapping[str, Mapping[str, Any]],
+    joined: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
     """Refuse averages that cannot follow their source, before any engine is built.
 
@@ -178,13 +179,22 @@ def check_averages(
         module: the LightningModule.
         trainable: the names of the engines that will train.
         configs: every engine's resolved DeepSpeed config.
+        joined: the parts of each engine over several submodules (:mod:`lightning_multids._joined`), by its name.
 
     Raises:
-        ValueError: a source is not a trainable engine, an average is trained, their parameters differ, or
-            one of them offloads to NVMe.
+        ValueError: a source is not a trainable engine or is part of one over several submodules, an average is
+            trained, their parameters differ, or one of them offloads to NVMe.
     """
     for average in averages.values():
         name, source = average.name, average.source
+        for engine, parts in (joined or {}).items():
+            if source in parts:
+                raise ValueError(
+                    f"The EMA engine {name!r} averages {source!r}, which one optimizer trains with "
+                    f"{', '.join(repr(p) for p in parts if p != source)} as the engine {engine!r}: an average of part "
+                    "of such an engine is not supported. Give the source its own optimizer in "
+                    "`configure_optimizers` (its own engine), or keep the average yourself in `on_train_batch_end`."
+                )
         if name in trainable:
             raise ValueError(
                 f"The EMA engine {name!r} (`ema=`) has an optimizer (from `configure_optimizers`, or an `optimizer` "

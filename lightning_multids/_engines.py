@@ -25,6 +25,7 @@ from lightning_multids._config import merge
 from lightning_multids._discovery import UNWALKED, Reach, reached_engines
 from lightning_multids._ema import Averager
 from lightning_multids._gradients import clipped, full_gradients, refuse_gradient_read
+from lightning_multids._joined import part_names, split_state
 from lightning_multids._optimizer import EngineOptimizer
 from lightning_multids._precision import engine_dtype, loss_scaling
 from lightning_multids._record import NO_SYNC, EngineRecord, Phase
@@ -115,6 +116,26 @@ class EngineSet:
             record.params = list(engine.module.parameters())
         self.owners.update({id(p): name for p in engine.module.parameters()})
 
+    def engine_of(self, name: str) -> tuple[str, str | None]:
+        """The name of the engine holding submodule ``name``, and ``name`` again where that engine is over several.
+
+        Code names submodules by their attributes: ``"decoder"`` is a part of the engine ``"encoder"`` where one
+        optimizer trains both (:mod:`lightning_multids._joined`). Any other name is returned as it is, with None.
+        """
+        for engine_name, record in self.records.items():
+            parts = part_names(record.engine.module)
+            if parts is not None and name in parts:
+                return engine_name, name
+        return name, None
+
+    def held_names(self) -> set[str]:
+        """The names of the submodules the engines hold: each engine's, and each part of an engine over several."""
+        return {part for name, record in self.records.items() for part in part_names(record.engine.module) or [name]}
+
+    def engine_names(self, names: Collection[str]) -> tuple[str, ...]:
+        """``names`` with each part of an engine over several submodules replaced by that engine's name, once."""
+        return tuple(dict.fromkeys(self.engine_of(name)[0] for name in names))
+
     def clip_by_default(
         self, clip: float | None, default: Mapping[str, Any], overrides: Mapping[str, Mapping[str, Any]]
     ) -> None:
@@ -162,7 +183,15 @@ class EngineSet:
             optimizer.zero_grad()
 
     def full_gradients(self, name: str) -> dict[str, torch.Tensor]:
-        """Engine ``name``'s whole gradients, averaged over ranks (``gradients.full_gradients``)."""
+        """Engine ``name``'s whole gradients, averaged over ranks (``gradients.full_gradients``).
+
+        For a part of an engine over several submodules, that part's, keyed within it (clipped with the engine's).
+        """
+        name, part = self.engine_of(name)
+        grads = self._full_gradients(name)
+        return grads if part is None else split_state(grads, part_names(self.records[name].engine.module) or [])[part]
+
+    def _full_gradients(self, name: str) -> dict[str, torch.Tensor]:
         trainable = self.trainable_engines
         refuse_outside_run(f"full_gradients({name!r})", trainable)
         if name not in trainable:

@@ -49,6 +49,7 @@ from lightning_multids._config import (
 from lightning_multids._data import per_process_batch_size, train_loaders
 from lightning_multids._ema import Average, build_averager, check_averages
 from lightning_multids._engines import EngineSet
+from lightning_multids._joined import called_modules, part_names
 from lightning_multids._planning import Plan, check_batch_settings, config_scheduler, plan_engines
 from lightning_multids._precision import autocast_off, cast_inputs, engine_dtype
 from lightning_multids._routing import Router
@@ -111,14 +112,17 @@ def build_engines(
         check_zero3_device(
             [n for n in [*plan.matched, *plan.from_config, *plan.frozen] if zero_stage(configs[n]) == 3], device
         )
-        check_averages(averages or {}, module, [*plan.matched, *plan.from_config], configs)
+        joined = {name: parts for name, m in plan.modules.items() if (parts := part_names(m)) is not None}
+        check_averages(averages or {}, module, [*plan.matched, *plan.from_config], configs, joined)
+        _check_joined_partitioning(joined, module, configs)
+    held = {part for name, m in plan.modules.items() for part in part_names(m) or [name]}
     result = EngineSet(router=Router(find_unused))
     try:
         _build_trainable(result, module, plan, configs, device)
         result.handles.append(route_module_zero_grad(module, [optimizer.zero_grad for optimizer in result.optimizers]))
         for name, config in plan.frozen.items():
-            _add_frozen(result, name, build_frozen_engine(getattr(module, name), config, device))
-        _unpartition_children(module, keep=lambda name: name in result.engines)  # plain submodules stay whole
+            _add_frozen(result, name, build_frozen_engine(plan.modules[name], config, device))
+        _unpartition_children(module, keep=held.__contains__)  # plain submodules stay whole
         result.averager = build_averager(averages or {}, module)
         if result.averager is not None:
             for optimizer in result.optimizers:
@@ -165,16 +169,16 @@ def _build_trainable(
         optimizer = plan.optimizers[index]
         params = [list(group["params"]) for group in optimizer.param_groups]
         config = sized_buckets(configs[name], whole_numel(p for group in params for p in group))
-        engine = build_engine(getattr(module, name), config, optimizer, device=device)
+        engine = build_engine(plan.modules[name], config, optimizer, device=device)
         _add_trainable(result, name, engine, optimizer, params)
     # Schedulers from configure_optimizers stay the user's objects, in the user's order, stepped as under DDP:
     # by the user in manual optimization, by Lightning (interval, frequency, monitor) in automatic. They act on
     # the optimizer's param_group dicts, which DeepSpeed's optimizers (every stage, bf16) keep and read.
     result.scheduler_configs.extend(plan.scheduler_configs)
     for name in plan.from_config:
-        trainable = [p for p in getattr(module, name).parameters() if p.requires_grad]
+        trainable = [p for p in plan.modules[name].parameters() if p.requires_grad]
         config = sized_buckets(configs[name], whole_numel(trainable))
-        engine = build_engine(getattr(module, name), config, device=device)
+        engine = build_engine(plan.modules[name], config, device=device)
         _add_trainable(result, name, engine, ds_compat.torch_optimizer(engine), [trainable])
         if engine.lr_scheduler is not None:
             result.scheduler_configs.append(config_scheduler(name, engine, plan.manual))
@@ -309,9 +313,10 @@ def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
     """
     refuse_direct_calls(name, engine)
     dtype = engine_dtype(engine)
-    handles = [engine.module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)]
+    called = called_modules(engine.module)  # an engine over several submodules: each part, called by user code
+    handles = [part.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True) for part in called]
     if dtype == torch.float32:
-        handles += autocast_off(engine.module, engine.device.type)
+        handles += [handle for part in called for handle in autocast_off(part, engine.device.type)]
     if engine.zero_optimization_partition_weights():
         handles += [
             module.register_load_state_dict_pre_hook(_refuse_partitioned_load(name))
@@ -451,6 +456,26 @@ def _agreed(agree: Callable[[BaseException | None], None]) -> Iterator[None]:
         agree(error)
         raise
     agree(None)
+
+
+def _check_joined_partitioning(
+    joined: Mapping[str, Sequence[str]], module: nn.Module, configs: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """Refuse a part built partitioned (``zero.Init`` in ``configure_model``) of a joined engine that is not ZeRO-3.
+
+    Whether such a submodule is made whole is decided from its own config before ``configure_optimizers`` says
+    which submodules train together (an optimizer must hold the parameters as they will stay).
+    """
+    for name, parts in joined.items():
+        stage = zero_stage(configs[name])
+        built = [part for part in parts if is_partitioned(getattr(module, part))]
+        if stage != 3 and built:
+            raise ValueError(
+                f"The engine {name!r} (one optimizer over {', '.join(repr(p) for p in parts)}) runs ZeRO-{stage}, but "
+                f"{built} were built partitioned under `zero.Init` (`configure_model`), by the ZeRO-3 of their own "
+                f"config. Give the engine's parts one stage: key the stage in the `engine_configs` entry {name!r} and "
+                "in the strategy's `stage=` alike, or build them in `__init__`."
+            )
 
 
 def _unpartition_children(module: pl.LightningModule, keep: Callable[[str], bool]) -> None:

@@ -33,7 +33,8 @@ from lightning_multids._compat.lightning import (
 )
 from lightning_multids._compat.torch import is_compiled
 from lightning_multids._config import frozen_config, zero_stage
-from lightning_multids._discovery import match_optimizers
+from lightning_multids._discovery import match_parts
+from lightning_multids._joined import Joined, called_modules
 from lightning_multids._optimizer import EngineScheduler
 
 
@@ -44,6 +45,9 @@ class Plan:
     optimizers: list[Optimizer]
     scheduler_configs: list[LRSchedulerConfig]
     matched: dict[str, int]
+    modules: dict[str, nn.Module]
+    """Each engine's module: its submodule, or for an optimizer over several submodules a
+    :class:`~lightning_multids._joined.Joined` container of them (the engine named by its first part)."""
     from_config: list[str]
     frozen: dict[str, dict[str, Any]]
     manual: bool
@@ -87,7 +91,11 @@ def plan_engines(
     from_config = [name for name in overrides if "optimizer" in configs[name]]
     automatic = module.automatic_optimization
     optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
-    matched = match_optimizers(module, optimizers)
+    parts = match_parts(module, optimizers)
+    matched = {names[0]: index for index, names in enumerate(parts)}
+    _check_part_entries(parts, overrides)
+    modules = {name: getattr(module, name) for name in module_names(module, overrides)}
+    modules.update({names[0]: _engine_module(module, names) for names in parts})
     for name, index in matched.items():
         _check_one_optimizer(name, configs[name])
         _check_offloaded_optimizer(name, configs[name], optimizers[index])
@@ -101,12 +109,43 @@ def plan_engines(
         if name not in matched and name not in from_config
     }
     for name in frozen:
-        _check_has_parameters(name, getattr(module, name))
+        _check_has_parameters(name, modules[name])
     for name in [*matched, *from_config, *frozen]:
-        _check_not_compiled_at_zero3(name, getattr(module, name), configs[name])
-    check_disjoint(module, [*matched, *from_config, *frozen], configs)
+        for part in called_modules(modules[name]):
+            _check_not_compiled_at_zero3(name, part, configs[name])
+    engines = {name: modules[name] for name in [*matched, *from_config, *frozen]}
+    check_disjoint(module, engines, configs)
     manual = not module.automatic_optimization
-    return Plan(optimizers, scheduler_configs, matched, from_config, frozen, manual, switched=automatic and manual)
+    return Plan(
+        optimizers, scheduler_configs, matched, engines, from_config, frozen, manual, switched=automatic and manual
+    )
+
+
+def module_names(module: nn.Module, overrides: Mapping[str, Any]) -> list[str]:
+    """The names of ``overrides`` that are submodules of ``module`` (an EMA's entry may name one not made yet)."""
+    children = dict(module.named_children())
+    return [name for name in overrides if name in children]
+
+
+def _engine_module(module: nn.Module, parts: Sequence[str]) -> nn.Module:
+    """The module of the engine over ``parts``: the submodule itself, or a container of several (not an attribute)."""
+    if len(parts) == 1:
+        return getattr(module, parts[0])
+    return Joined({part: getattr(module, part) for part in parts})
+
+
+def _check_part_entries(parts: Sequence[tuple[str, ...]], overrides: Mapping[str, Any]) -> None:
+    """Refuse an ``engine_configs`` entry for a submodule that is a later part of an engine over several."""
+    for names in parts:
+        for part in names[1:]:
+            if part in overrides:
+                listed = ", ".join(repr(name) for name in names)
+                raise ValueError(
+                    f"`engine_configs` has an entry for {part!r}, which one optimizer trains with {listed}: they form "
+                    f"one DeepSpeed engine, named {names[0]!r} (its first part), with one config. Key the entry "
+                    f"{names[0]!r} (merge the two entries there), or give {part!r} an optimizer of its own in "
+                    "`configure_optimizers` for an engine of its own."
+                )
 
 
 def collect_optimizers(
@@ -266,7 +305,9 @@ def _check_has_parameters(name: str, submodule: nn.Module) -> None:
         )
 
 
-def check_disjoint(module: nn.Module, engines: Sequence[str], configs: Mapping[str, Mapping[str, Any]]) -> None:
+def check_disjoint(
+    module: nn.Module, engines: Mapping[str, nn.Module], configs: Mapping[str, Mapping[str, Any]]
+) -> None:
     """Refuse a parameter shared by two engines, or by a plain submodule and a ZeRO-3 engine.
 
     An engine owns its parameters: a frozen one turns their gradients off, a ZeRO-3 one partitions them. A
@@ -276,8 +317,8 @@ def check_disjoint(module: nn.Module, engines: Sequence[str], configs: Mapping[s
     frozen encoder): no engine partitions it, casts it apart, or turns anything off.
     """
     owner: dict[nn.Parameter, str] = {}
-    for name in engines:
-        for param in getattr(module, name).parameters():
+    for name, engine_module in engines.items():
+        for param in engine_module.parameters():
             other = owner.setdefault(param, name)
             if other != name and not _may_share(param, configs[other], configs[name]):
                 raise ValueError(
@@ -287,8 +328,9 @@ def check_disjoint(module: nn.Module, engines: Sequence[str], configs: Mapping[s
                     "`engine_configs` entry (it then runs as a plain submodule); otherwise give it its own copy "
                     "(`copy.deepcopy`)."
                 )
+    held = {id(part) for engine_module in engines.values() for part in called_modules(engine_module)}
     for name, child in module.named_children():
-        if name in engines:
+        if id(child) in held:
             continue
         for param in child.parameters():
             holder = owner.get(param)

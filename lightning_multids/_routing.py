@@ -59,6 +59,7 @@ from lightning_multids._compat.torch import (
     will_execute,
 )
 from lightning_multids._discovery import REENTRANT, UNWALKED, Reach
+from lightning_multids._joined import called_modules
 
 
 @dataclass
@@ -306,7 +307,8 @@ class Router:
         if self.find_unused:
             handles += [p.register_hook(self._hooks[name][i]) for i, p in enumerate(params) if p.requires_grad]
         else:
-            handles.append(engine.module.register_forward_hook(self._output_hook(name)))
+            hook = self._output_hook(name)  # on each part of an engine over several: its own forward never runs
+            handles += [part.register_forward_hook(hook) for part in called_modules(engine.module)]
         return handles
 
     def _watching(self, name: str) -> _Watched:

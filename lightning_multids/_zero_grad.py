@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_multids._joined import part_names
 from lightning_multids._record import EngineRecord
 
 
@@ -75,6 +76,10 @@ def route_module_zero_grad(module: nn.Module, clears: list[Callable[[bool], None
     ``clears``: every trained engine's; torch's then clears the plain submodules' parameters too.
     """
     own = type(module).zero_grad.__get__(module)
+    parts = part_names(record.engine.module)  # an engine over several submodules: none of them is all of it
+    whole = "its optimizer's `zero_grad()`" if parts else f"`self.{record.name}.zero_grad()` or its optimizer's "
+    whole += "" if parts else "`zero_grad()`"
+    called = f"`self.{part}`" if parts else f"`{part}`"
 
     def zero_grad(set_to_none: bool = True) -> None:
         for clear in clears:
@@ -91,10 +96,10 @@ def _part_zero_grad(record: EngineRecord, part: str, module: nn.Module) -> Calla
     def zero_grad(set_to_none: bool = True) -> None:
         if record.has_gradients:
             raise RuntimeError(
-                f"`zero_grad()` of `{part}`, a part of the engine {record.name!r}, while the engine holds gradients: "
+                f"`zero_grad()` of {called}, a part of the engine {record.name!r}, while the engine holds gradients: "
                 "its reduced gradients are one flat partition for the whole engine, which cannot be cleared for a "
-                f"part of it. Clear the whole engine (`self.{record.name}.zero_grad()` or its optimizer's "
-                "`zero_grad()`), or give the part its own optimizer (its own engine) if it is cleared on its own."
+                f"part of it. Clear the whole engine ({whole}), or give the part its own optimizer (its own engine) "
+                "if it is cleared on its own."
             )
         own(set_to_none)
 

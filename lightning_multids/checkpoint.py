@@ -50,6 +50,7 @@ from lightning_multids import _loading as loading
 from lightning_multids._blocks import whole
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.deepspeed import stage0_weights
+from lightning_multids._joined import part_names, split_state
 from lightning_multids._precision import engine_dtype
 
 __all__ = ["consolidated_state_dicts", "export"]
@@ -115,10 +116,10 @@ def save(
         kept[FORMAT_KEY] = {
             "engines": {
                 **{
-                    name: {"stage": e.zero_optimization_stage(), "precision": _precision_name(e)}
+                    name: {"stage": e.zero_optimization_stage(), "precision": _precision_name(e), **_parts(e.module)}
                     for name, e in engines.items()
                 },
-                **{name: {"stage": None} for name in weights},
+                **{name: {"stage": None, **_parts(module)} for name, module in weights.items()},
             },
             "frozen": sorted(frozen),
             "averages": dict(averages),
@@ -129,6 +130,12 @@ def save(
     if is_global_zero:
         _move_into_place(partial, path)
     barrier("multids.save.done")
+
+
+def _parts(module: nn.Module) -> dict[str, list[str]]:
+    """``{"parts": [...]}`` for the module of an engine over several submodules (its description); else nothing."""
+    parts = part_names(module)
+    return {} if parts is None else {"parts": parts}
 
 
 def old_path(path: Path) -> Path:
@@ -222,6 +229,14 @@ def check_engines(saved: Mapping[str, Any], engines: Mapping[str, DeepSpeedEngin
             f"The checkpoint {str(path)!r} holds the engines {found}, but this module trains {expected}. Resume "
             "with the LightningModule and `engine_configs` it was saved with, or load only the weights with `export`."
         )
+    for name, engine in engines.items():
+        was, now = saved["engines"][name].get("parts", [name]), part_names(engine.module) or [name]
+        if was != now:
+            raise ValueError(
+                f"The checkpoint {str(path)!r} saved the engine {name!r} over the submodules {was} (the parameters of "
+                f"one optimizer), and its optimizer trains {now} now. Resume with the `configure_optimizers` it was "
+                "saved with, or load only the weights with `export`."
+            )
 
 
 TRAINER_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
@@ -400,9 +415,10 @@ def consolidated_state_dicts(
     """Every saved engine's weights as one fp32 ``state_dict`` each, plus ``"plain"`` for the other submodules.
 
     Works from any ZeRO stage and any world size, with no process group: ZeRO partitions are merged.
-    Keys are relative to each submodule (``"0.weight"``), ready for ``submodule.load_state_dict``. Every file
-    loads as ``weights_only`` says (``None``: torch's default, tensors and plain types only); a refused one is an
-    ``UnpicklingError`` naming it and ``opt_out``, how to load it anyway.
+    Keys are relative to each submodule (``"0.weight"``), ready for ``submodule.load_state_dict``; an engine over
+    several submodules (one optimizer over ``encoder`` and ``decoder``) gives one dict per submodule, by its name.
+    Every file loads as ``weights_only`` says (``None``: torch's default, tensors and plain types only); a refused
+    one is an ``UnpicklingError`` naming it and ``opt_out``, how to load it anyway.
     """
     path = resolve(path)
     with loading.reading(path, weights_only, opt_out):
@@ -422,7 +438,9 @@ def _consolidated(path: Path, weights_only: bool | None) -> dict[str, dict[str, 
             # DeepSpeed prints 4 lines per engine as it merges, and a "Loading checkpoint shards" bar on stderr
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 state = get_fp32_state_dict_from_zero_checkpoint(str(engine_dir), tag=TAG)
-        result[name] = {key: value.float() if value.is_floating_point() else value for key, value in state.items()}
+        state = {key: value.float() if value.is_floating_point() else value for key, value in state.items()}
+        # an engine over several submodules: one dict per submodule, as if each were its own engine
+        result.update(split_state(state, info["parts"]) if "parts" in info else {name: state})
     result[PLAIN] = dict(lightning["state_dict"])
     return result
 
@@ -537,5 +555,5 @@ def _one_file(lightning: Mapping[str, Any], states: Mapping[str, dict[str, torch
 
 
 def plain_state_dict(module: nn.Module, engine_names: set[str]) -> dict[str, Any]:
-    """The entries of ``module.state_dict()`` that belong to no engine."""
+    """The entries of ``module.state_dict()`` that belong to no engine (``engine_names``: every submodule held)."""
     return {k: v for k, v in module.state_dict().items() if k.split(".", 1)[0] not in engine_names}

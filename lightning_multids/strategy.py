@@ -428,7 +428,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         At ZeRO-2/3 the engine holds a whole, unpartitioned gradient per rank during the block (what
         ZeRO-1 holds anyway); at stages 0/1 reduction already happens once per step, in ``step()``.
         """
-        with no_sync(self._engine_set.for_no_sync(names)):
+        with no_sync(self._engine_set.for_no_sync(self._engine_set.engine_names(names))):
             yield
 
     @contextmanager
@@ -468,8 +468,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                 if modifier_rank is not None:
                     keep_edits(plain, modifier_rank, trained=False)
             return
-        with gathered(name, engines.records, self._arrival, modifier_rank=modifier_rank) as module:
-            yield module
+        engine_name, part = engines.engine_of(name)  # a part of an engine over several: that engine, gathered
+        with gathered(engine_name, engines.records, self._arrival, modifier_rank=modifier_rank) as module:
+            yield module if part is None else module.get_submodule(part)
 
     def _whole_outside_fit(self, name: str) -> torch.nn.Module | None:
         """The LightningModule's whole submodule ``name`` during validate, test or predict; None otherwise."""
@@ -494,7 +495,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         of ZeRO-1/2 engines, and of ZeRO-3 ones only with its ``FusedAdam``; other engines are refused, naming
         the engine and why.
         """
-        with offloaded(names, self._engine_set.records):
+        with offloaded(self._engine_set.engine_names(names), self._engine_set.records):
             yield
 
     def full_gradients(self, name: str) -> dict[str, Tensor]:
@@ -614,7 +615,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             weights={n: engines[n].module for n in saved if n in as_weights},
             frozen=frozen,
             averages=averager.state() if averager is not None else {},
-            plain_state=checkpoints.plain_state_dict(self.lightning_module, set(engines)),
+            plain_state=checkpoints.plain_state_dict(self.lightning_module, engine_set.held_names()),
             world_size=self.world_size,
             is_global_zero=self.is_global_zero,
             barrier=self.barrier,

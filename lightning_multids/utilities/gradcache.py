@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_multids._joined import called_modules
+
 __all__ = ["gather_with_grad", "grad_cache", "info_nce"]
 
 
@@ -134,8 +136,9 @@ def _no_sync_for(module: pl.LightningModule, encoders: Sequence[nn.Module]) -> c
     engines = getattr(strategy, "engines", None)
     if not engines or not hasattr(strategy, "no_sync"):
         return contextlib.nullcontext()
-    names = [name for name, engine in engines.items() if any(engine.module is encoder for encoder in encoders)]
-    missing = [type(e).__name__ for e in encoders if not any(engine.module is e for engine in engines.values())]
+    held = {name: called_modules(engine.module) for name, engine in engines.items()}  # the parts of a joined one
+    names = [name for name, parts in held.items() if any(part is encoder for part in parts for encoder in encoders)]
+    missing = [type(e).__name__ for e in encoders if not any(part is e for parts in held.values() for part in parts)]
     if missing:
         raise ValueError(
             f"grad_cache: the encoders {missing} are not submodules with an engine. Pass the LightningModule's "

@@ -357,7 +357,11 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         {**sharing(None, 2), "find_unused_parameters": True},
     ),
     "no_optimizer": (lambda: GAN(optimizers="none"), {}),
-    "spanning_optimizer": (lambda: GAN(optimizers="spanning"), {}),
+    "spanning_optimizer": (lambda: GAN(returns_loss, "spanning"), {}),
+    "spanning_optimizer_entry_of_a_part": (
+        lambda: GAN(returns_loss, "spanning"),
+        {"engine_configs": {"discriminator": {"zero_optimization": {"stage": 3}}}},
+    ),
     "unknown_engine_key": (lambda: GAN(returns_loss), {"engine_configs": {"critic": {}}}),
     "optimizer_in_both": (lambda: GAN(), {"engine_configs": {"discriminator": {"optimizer": {"type": "SGD"}}}}),
     "fp16_on_cpu": (lambda: GAN(), {"engine_configs": {"generator": {"fp16": {"enabled": True}}}}),
@@ -508,7 +512,9 @@ def run_scenarios() -> dict[str, Any]:
 
 EXPECTED = {
     "no_optimizer": r"configure_optimizers` returned None, so no engine would train.*one optimizer per submodule",
-    "spanning_optimizer": r"Optimizer 0 holds parameters of .generator. and .discriminator.*one optimizer per",
+    "spanning_optimizer": r"^no error$",  # one engine over both, named 'generator'
+    "spanning_optimizer_entry_of_a_part": r"`engine_configs` has an entry for 'discriminator', which one optimizer "
+    r"trains with 'generator', 'discriminator'.*one DeepSpeed engine, named 'generator'.*Key the entry 'generator'",
     "unknown_engine_key": r"entry for 'critic'.*no submodule of that name",
     "optimizer_in_both": r"engine .discriminator. gets an optimizer from `configure_optimizers` and its DeepSpeed",
     "fp16_on_cpu": r"engine 'generator' enables fp16, which DeepSpeed does not run on a CPU.*bf16-mixed",

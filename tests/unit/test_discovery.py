@@ -27,6 +27,7 @@ from lightning_multids._discovery import (
     Reach,
     check_engine_names,
     match_optimizers,
+    match_parts,
     parameter_owners,
     reached_engines,
 )
@@ -277,14 +278,21 @@ def test_optimizer_with_several_param_groups_of_one_submodule() -> None:
     assert match_optimizers(gan, [optimizer]) == {"generator": 0}
 
 
-def test_optimizer_spanning_two_submodules_is_refused() -> None:
+def test_optimizer_spanning_two_submodules_is_one_engine_named_by_the_first_in_the_modules_order() -> None:
     gan = GAN()
-    optimizer = sgd(*gan.generator.parameters(), *gan.discriminator.parameters())
+    optimizer = sgd(*gan.discriminator.parameters(), *gan.generator.parameters())
+    assert match_parts(gan, [optimizer]) == [("generator", "discriminator")]
+    assert match_optimizers(gan, [optimizer]) == {"generator": 0}
+
+
+def test_two_optimizers_spanning_one_submodule_are_refused() -> None:
+    gan = GAN()
+    first, *rest = gan.discriminator.parameters()
+    optimizers = [sgd(*gan.generator.parameters(), first), sgd(*rest)]
     with pytest.raises(
-        ValueError,
-        match=r"Optimizer 0 holds parameters of 'generator' and 'discriminator'.*one optimizer per submodule",
+        ValueError, match=r"Optimizers 0 and 1 both train 'discriminator'.*one DeepSpeed engine per optimizer"
     ):
-        match_optimizers(gan, [optimizer])
+        match_optimizers(gan, optimizers)
 
 
 def test_parameter_in_two_optimizers_is_refused() -> None:
