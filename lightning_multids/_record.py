@@ -109,7 +109,7 @@ class EngineRecord:
 
     def note_reach(self, missing: list[int]) -> None:
         """A backward reached the engine and gave no gradient to its parameters ``missing`` (by index)."""
-        stepped = self.stepped.intersection(missing)
+        stepped = set(self.stepped.intersection(missing))
         self.without_gradient = stepped if self.without_gradient is None else self.without_gradient & stepped
 
     def hold_untouched(self) -> Callable[[], None] | None:

@@ -76,10 +76,6 @@ def route_module_zero_grad(module: nn.Module, clears: list[Callable[[bool], None
     ``clears``: every trained engine's; torch's then clears the plain submodules' parameters too.
     """
     own = type(module).zero_grad.__get__(module)
-    parts = part_names(record.engine.module)  # an engine over several submodules: none of them is all of it
-    whole = "its optimizer's `zero_grad()`" if parts else f"`self.{record.name}.zero_grad()` or its optimizer's "
-    whole += "" if parts else "`zero_grad()`"
-    called = f"`self.{part}`" if parts else f"`{part}`"
 
     def zero_grad(set_to_none: bool = True) -> None:
         for clear in clears:
@@ -92,6 +88,10 @@ def route_module_zero_grad(module: nn.Module, clears: list[Callable[[bool], None
 
 def _part_zero_grad(record: EngineRecord, part: str, module: nn.Module) -> Callable[[bool], None]:
     own = type(module).zero_grad.__get__(module)
+    parts = part_names(record.engine.module)  # an engine over several submodules: none of them is all of it
+    whole = "its optimizer's `zero_grad()`" if parts else f"`self.{record.name}.zero_grad()` or its optimizer's "
+    whole += "" if parts else "`zero_grad()`"
+    called = f"`self.{part}`" if parts else f"`{part}`"
 
     def zero_grad(set_to_none: bool = True) -> None:
         if record.has_gradients:

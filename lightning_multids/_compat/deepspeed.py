@@ -269,8 +269,8 @@ def scalar_parameters_broadcast() -> Iterator[None]:
             return
         param.data = param.data.view(1)
         init_param(init, param)
-        param.ds_shape = torch.Size(())
-        if param.ds_status is ZeroParamStatus.AVAILABLE:  # kept whole (persistent): 0-dim again
+        param.ds_shape = torch.Size(())  # type: ignore[attr-defined]  # DeepSpeed's, set by _zero_init_param
+        if is_gathered(param):  # kept whole (persistent): 0-dim again
             param.data = param.data.view(())
 
     DeepSpeedEngine._broadcast_model, zero_init_class._zero_init_param = broadcast_model, zero_init_param
@@ -583,8 +583,9 @@ def hold_still(engine: DeepSpeedEngine, params: list[torch.nn.Parameter]) -> Cal
     views: list[torch.Tensor] = []
     made: list[tuple[dict, Any]] = []  # state entries that did not exist before the step
     if optimizer is torch_optimizer(engine) or isinstance(optimizer, FP16_UnfusedOptimizer):
-        state = optimizer.state if optimizer is torch_optimizer(engine) else optimizer.optimizer.state
-        copies = _fp32_copies(optimizer) if isinstance(optimizer, FP16_UnfusedOptimizer) else {}
+        unfused = isinstance(optimizer, FP16_UnfusedOptimizer)
+        state = optimizer.optimizer.state if isinstance(optimizer, FP16_UnfusedOptimizer) else optimizer.state
+        copies = _fp32_copies(optimizer) if unfused else {}
         for param in params:
             stepped = copies.get(param, param)
             views += [param.data, *([stepped.data] if stepped is not param else [])]
