@@ -14,6 +14,7 @@ A step where every parameter got a gradient pays none of it (one emptiness test 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -87,7 +88,9 @@ def main() -> None:
     meter, holds = StepMeter(args.warmup), []
     undo = timed_holds(holds)
     try:
-        trainer = pl.Trainer(strategy=MultiDeepSpeedStrategy(stage=args.stage), max_epochs=1, callbacks=[meter], **BARE)
+        devices = int(os.environ.get("WORLD_SIZE", "1"))
+        strategy = MultiDeepSpeedStrategy(stage=args.stage)
+        trainer = pl.Trainer(strategy=strategy, devices=devices, max_epochs=1, callbacks=[meter], **BARE)
         trainer.fit(module)
     finally:
         undo()
