@@ -104,6 +104,18 @@ class AtFitEnd(_Record):
         self._record(trainer)
 
 
+def fit_for_weights(
+    strategy: pl.strategies.Strategy, module: pl.LightningModule, ckpt_path: str | None = None, **options: Any
+) -> tuple[pl.Trainer, dict[str, torch.Tensor]]:
+    """Fit ``module`` (its own sharded loader, no checkpointing); the Trainer, and the weights
+    ``strategy.consolidated_state_dict()`` gave when training ended, before teardown."""
+    at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
+    options = {"use_distributed_sampler": False, "enable_checkpointing": False, **options}
+    trainer = cpu_trainer(strategy, callbacks=[at_end, *options.pop("callbacks", [])], **options)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer, at_end.value
+
+
 # ---- a small regression, for tests of one engine against plain PyTorch on the global batch ------------------------
 
 

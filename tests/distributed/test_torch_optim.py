@@ -25,7 +25,7 @@ from torch import nn
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids.checkpoint import consolidated_state_dicts
 from tests import patterns
-from tests.distributed.common import AtFitEnd, cpu_trainer, global_batch, regression_data, sharded_loader
+from tests.distributed.common import fit_for_weights, global_batch, regression_data, sharded_loader
 from tests.distributed.harness import on_ranks
 
 STEPS, PER_RANK, EPOCHS = 2, 4, 2
@@ -120,17 +120,11 @@ def fit_with_temperature(folder: str, stage: int, late: bool) -> dict[str, dict[
     and the export of the first's checkpoint loaded into a new module."""
     results = {}
     for name, epochs, ckpt in [("whole", EPOCHS, None), ("first", 1, None), ("resumed", EPOCHS, "first")]:
-        at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
-        trainer = cpu_trainer(
-            MultiDeepSpeedStrategy(stage=stage),
-            callbacks=[at_end],
-            max_epochs=epochs,
-            use_distributed_sampler=False,
-            enable_checkpointing=False,
-        )
-        trainer.fit(WithTemperature(late, touch=True), ckpt_path=f"{folder}/{ckpt}.ckpt" if ckpt else None)
+        ckpt_path = f"{folder}/{ckpt}.ckpt" if ckpt else None
+        module = WithTemperature(late, touch=True)
+        trainer, weights = fit_for_weights(MultiDeepSpeedStrategy(stage=stage), module, ckpt_path, max_epochs=epochs)
         trainer.save_checkpoint(f"{folder}/{name}.ckpt")
-        results[name] = {key: value.clone() for key, value in at_end.value.items()}
+        results[name] = {key: value.clone() for key, value in weights.items()}
     exported = Tempered()
     exported.load_state_dict(consolidated_state_dicts(f"{folder}/first.ckpt")["net"])
     results["exported"] = {f"net.{key}": value for key, value in exported.state_dict().items()}
@@ -141,11 +135,8 @@ def fit_optimizers(cases: list[tuple[str, int]]) -> list[dict[str, torch.Tensor]
     """On each rank: the weights after a fit with each ``(optimizer, stage)``, ``SignSGD`` declared element-wise."""
     results = []
     for optimizer, stage in cases:
-        at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
         strategy = MultiDeepSpeedStrategy(stage=stage, elementwise_optimizers=[f"{__name__}.SignSGD"])
-        trainer = cpu_trainer(strategy, callbacks=[at_end], use_distributed_sampler=False, enable_checkpointing=False)
-        trainer.fit(WithTemperature(optimizer=optimizer))
-        results.append(at_end.value)
+        results.append(fit_for_weights(strategy, WithTemperature(optimizer=optimizer))[1])
     return results
 
 
@@ -287,25 +278,19 @@ def fit_partial(cases: list[tuple[str, int, str, bool]]) -> list[dict[str, Any]]
     what its deep copy did (``module_zero_grad``)."""
     results = []
     for case, stage, precision, find_unused in cases:
-        at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
-        strategy = MultiDeepSpeedStrategy(stage=stage, find_unused_parameters=find_unused)
-        options = {"use_distributed_sampler": False, "enable_checkpointing": False, "precision": precision}
-        module = Partial(case)
-        cpu_trainer(strategy, callbacks=[at_end], **options).fit(module)
-        results.append({key: value.float() for key, value in at_end.value.items()} | module.copied)
+        strategy, module = MultiDeepSpeedStrategy(stage=stage, find_unused_parameters=find_unused), Partial(case)
+        _, weights = fit_for_weights(strategy, module, precision=precision)
+        results.append({key: value.float() for key, value in weights.items()} | module.copied)
     return results
 
 
 def fit_resumed(folder: str, stage: int) -> dict[str, torch.Tensor]:
     """On each rank: ``sometimes`` fitted for 2 epochs, saved after the first and resumed from it."""
     for epochs, ckpt in [(1, None), (2, f"{folder}/first.ckpt")]:
-        at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
-        options = {"use_distributed_sampler": False, "enable_checkpointing": False, "max_epochs": epochs}
         strategy = MultiDeepSpeedStrategy(stage=stage, find_unused_parameters=True)
-        trainer = cpu_trainer(strategy, callbacks=[at_end], **options)
-        trainer.fit(Partial("sometimes"), ckpt_path=ckpt)
+        trainer, weights = fit_for_weights(strategy, Partial("sometimes"), ckpt, max_epochs=epochs)
         trainer.save_checkpoint(f"{folder}/first.ckpt")
-    return at_end.value
+    return weights
 
 
 def partial_reference(case: str, epochs: int = 1) -> dict[str, torch.Tensor]:
@@ -406,10 +391,7 @@ def fit_dcgan(stages: list[int]) -> list[dict[str, torch.Tensor]]:
     """On each rank: the weights after a DCGAN fit at each stage."""
     results = []
     for stage in stages:
-        at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
-        options = {"use_distributed_sampler": False, "enable_checkpointing": False}
-        cpu_trainer(MultiDeepSpeedStrategy(stage=stage), callbacks=[at_end], **options).fit(DCGAN())
-        results.append(at_end.value)
+        results.append(fit_for_weights(MultiDeepSpeedStrategy(stage=stage), DCGAN())[1])
     return results
 
 
