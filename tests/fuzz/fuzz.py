@@ -30,6 +30,7 @@ from tests.fuzz.outcome import KINDS, Outcome
 
 SWITCHES = {"full": grammar.FULL, "safe": grammar.SAFE, "safe_resuming": grammar.SAFE_RESUMING}
 SWITCHES["safe_touching"] = grammar.SAFE_TOUCHING
+SWITCHES["safe_optim"] = grammar.SAFE_OPTIM
 
 KNOWN_DEFECTS: dict[int, tuple[str, Callable[[Case], bool]]] = {
     1: ("on_after_backward reads full_gradients before the epilogues", lambda c: bool(c.read_after_backward)),

@@ -244,6 +244,9 @@ SAFE_RESUMING = dataclasses.replace(SAFE, shared_params=True, resume=True)
 """:data:`SAFE` with shared layers and resumes (stages changed, saves inside ``gathered``, engines dropped)."""
 SAFE_TOUCHING = dataclasses.replace(SAFE_RESUMING, touches=True)
 """:data:`SAFE_RESUMING` with clipping and weight edits."""
+SAFE_OPTIM = dataclasses.replace(SAFE_TOUCHING, torch_optim=True)
+""":data:`SAFE_TOUCHING` with what ``torch.optim`` does per parameter (0-dim scales, freezing, ``module.zero_grad()``,
+AdamW, Adafactor)."""
 
 
 def chance(rng: random.Random, p: float, allowed: bool = True) -> bool:

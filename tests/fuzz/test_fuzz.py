@@ -12,7 +12,9 @@ shared by two engines (refused at setup), and resumes with a ZeRO stage changed 
 are refused at load), a save inside ``gathered``, the EMA or a frozen engine dropped. ``TOUCHES`` draws with
 ``grammar.SAFE_TOUCHING``: ``self.clip_gradients`` before a step (also read before it) and weight edits after a
 phase, plain and inside ``gathered(name, modifier_rank=0)`` (at ZeRO-3 too), in bf16, before a resume and on the
-source of an EMA. ``make fuzz`` runs the whole grammar over a range of seeds.
+source of an EMA. ``OPTIM`` draws with ``grammar.SAFE_OPTIM``: 0-dim parameters, layers frozen mid-fit,
+``self.<engine>.zero_grad()`` at ZeRO-2/3, AdamW's decay and Adafactor at ZeRO-0. ``make fuzz`` runs the whole
+grammar over a range of seeds.
 """
 
 from __future__ import annotations
@@ -160,3 +162,35 @@ def test_the_touch_slice_covers(touches: list[Case]) -> None:
 
 def test_clipping_and_weight_edits_train_as_plain_pytorch(touches: list[Case]) -> None:
     assert_all_match(touches)
+
+
+OPTIM = (78, 18, 35, 2, 14)  # seeds of grammar.SAFE_OPTIM
+
+
+@pytest.fixture(scope="module")
+def optims() -> list[Case]:
+    return [grammar.generate(seed, grammar.SAFE_OPTIM, valid=reference.resolve) for seed in OPTIM]
+
+
+def optim_features(case: Case) -> set[str]:
+    found = (
+        {"module_zero_grad_zero23"}
+        if case.zero_grad_by == "module" and any(e.stage > 1 for e in case.engines)
+        else set()
+    )
+    for engine in case.engines:
+        found |= {f"scalar_stage{engine.stage}"} if engine.scalar else set()
+        found |= {f"freeze_stage{engine.stage}"} if engine.freeze_at is not None else set()
+        found |= {f"{engine.optimizer}_stage{engine.stage}"} if engine.optimizer in ("adamw", "adafactor") else set()
+    return found
+
+
+def test_the_optim_slice_covers(optims: list[Case]) -> None:
+    found = set().union(*(optim_features(case) for case in optims))
+    wanted = {"scalar_stage0", "scalar_stage3", "freeze_stage1", "freeze_stage2", "module_zero_grad_zero23"}
+    wanted |= {"adamw_stage1", "adamw_stage2", "adafactor_stage0"}
+    assert found >= wanted, f"the optim slice no longer covers {sorted(wanted - found)}: choose other seeds"
+
+
+def test_what_torch_optim_does_per_parameter_trains_as_plain_pytorch(optims: list[Case]) -> None:
+    assert_all_match(optims)
