@@ -6,6 +6,7 @@ and each NaN run of :data:`NAN_RUNS`; each rank returns the error each raised.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 from typing import Any
@@ -315,6 +316,17 @@ class WithBackbone(GAN):
         self.backbone = self.generator
 
 
+class AveragesAPart(GAN):
+    """One SGD over the generator and the discriminator (one engine), and an EMA copy of the discriminator."""
+
+    def __init__(self) -> None:
+        super().__init__(returns_loss)
+        self.average = copy.deepcopy(self.discriminator)
+
+    def configure_optimizers(self) -> object:
+        return torch.optim.SGD([*self.generator.parameters(), *self.discriminator.parameters()], lr=0.1)
+
+
 class WithProbe(GAN):
     """The GAN with a submodule that reuses the discriminator's first layer."""
 
@@ -415,6 +427,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "frozen_without_parameters": (WithHead, {"engine_configs": {"head": {"zero_optimization": {"stage": 3}}}}),
     "ema_of_another_shape": (lambda: GAN(returns_loss, "generator"), {"ema": {"discriminator": ("generator", 0.9)}}),
     "ema_that_is_trained": (lambda: GAN(returns_loss, "generator"), {"ema": {"generator": ("discriminator", 0.9)}}),
+    "ema_of_a_part": (AveragesAPart, {"ema": {"average": ("discriminator", 0.9)}}),
     **{f"plain_backward_zero{stage}": (lambda: GAN(plain_backward), {"stage": stage}) for stage in range(4)},
     "autograd_backward": (lambda: GAN(autograd_backward), {"stage": 3}),
     "autograd_grad_allowed": (lambda: GAN(gradients_by_autograd_grad), {"stage": 2}),
@@ -589,6 +602,8 @@ EXPECTED = {
     "shared_plain_trained2_find_unused": r"^no error$",
     "ema_of_another_shape": r"EMA engine 'discriminator' cannot average 'generator': their parameters differ.*deepcopy",
     "ema_that_is_trained": r"EMA engine 'generator' \(`ema=`\) has an optimizer.*stop returning an optimizer over",
+    "ema_of_a_part": r"EMA engine 'average' averages 'discriminator', which one optimizer trains with 'generator' "
+    r"as the engine 'generator'.*Give the source its own optimizer",
     **{
         f"plain_backward_zero{stage}": r"backward outside `self.manual_backward` reached the parameters of engine "
         r"'discriminator'.*replace the call with `self.manual_backward\(loss\)`"
