@@ -324,6 +324,7 @@ def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
             if any(True for _ in module.parameters(recurse=False))
         ]
         ds_compat.refuse_second_order(engine, _refuse_second_order(name))
+        handles += ds_compat.discover_external_parameters(engine)
     return handles
 
 

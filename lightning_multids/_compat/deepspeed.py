@@ -43,7 +43,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.utils import clip_grad_norm_
-from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload, ensure_zero_ordered_dict
 from deepspeed.runtime.zero.partition_parameters import Init as zero_init_class
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -55,6 +55,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch._utils import _unflatten_dense_tensors
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_multids._compat import torch as torch_compat
 
@@ -1110,6 +1111,41 @@ def refuse_second_order(engine: DeepSpeedEngine, refuse: Callable[[], None]) -> 
         gather(sub_module)
 
     offload.pre_sub_module_backward_function = checked  # type: ignore[method-assign]
+
+
+def discover_external_parameters(engine: DeepSpeedEngine) -> list[RemovableHandle]:
+    """Let ZeRO-3 gather a weight used outside its owner's forward wherever user code calls a submodule.
+
+    A forward that reads another submodule's weight (``x @ self.embedding.weight`` before ``self.embedding(...)``, a
+    language-model head tied to the embedding) meets an empty partition, unless DeepSpeed's parameter getter
+    gathers it and registers it as an external parameter of the running submodule, which it does only while
+    ``module._parameters._in_forward`` is set (0.19.8: ``ZeROOrderedDict.__getitem__``). The engine's forward
+    prologue sets it on every submodule, so a call of the engine's own module finds such weights; a part of a
+    joined engine or a child called directly by user code runs without it, and the user's code failed with
+    torch's ``IndexError``. These hooks set it on every submodule of the engine while any of them runs, and clear
+    it when the outermost call ends, by an exception too. Two Python calls per submodule call; the flags are set
+    once per outermost call.
+    """
+    modules = list(engine.module.modules())
+    depth = [0]
+
+    def mark(running: bool) -> None:
+        for module in modules:
+            ensure_zero_ordered_dict(module)
+            module._parameters._in_forward = running  # type: ignore[union-attr]
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        if depth[0] == 0:
+            mark(True)
+        depth[0] += 1
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            mark(False)
+
+    handles = [module.register_forward_pre_hook(enter) for module in modules]
+    return handles + [module.register_forward_hook(leave, always_call=True) for module in modules]
 
 
 def suspend_zero3_hooks(engine: DeepSpeedEngine) -> Callable[[], None]:
