@@ -26,9 +26,12 @@ behind depends on the optimizer DeepSpeed chose:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import dis
 import importlib
 import io
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -1113,7 +1116,7 @@ def refuse_second_order(engine: DeepSpeedEngine, refuse: Callable[[], None]) -> 
     offload.pre_sub_module_backward_function = checked  # type: ignore[method-assign]
 
 
-def discover_external_parameters(engine: DeepSpeedEngine) -> list[RemovableHandle]:
+def discover_external_parameters(engine: DeepSpeedEngine, refuse: Callable[[str, str], None]) -> list[RemovableHandle]:
     """Let ZeRO-3 gather a weight used outside its owner's forward wherever user code calls a submodule.
 
     A forward that reads another submodule's weight (``x @ self.embedding.weight`` before ``self.embedding(...)``, a
@@ -1125,13 +1128,24 @@ def discover_external_parameters(engine: DeepSpeedEngine) -> list[RemovableHandl
     torch's ``IndexError``. These hooks set it on every submodule of the engine while any of them runs, and clear
     it when the outermost call ends, by an exception too. Two Python calls per submodule call; the flags are set
     once per outermost call.
+
+    Outside every forward of the engine the getter finds nothing to gather for: there each attribute read of a
+    partitioned parameter (``self.net.embed.weight``) runs ``refuse(qualified_name, reader)``, where ``reader``
+    names the code that read it (the module's ``__name__``, ``reset_parameters`` after it where that method read
+    it), to raise. Every ``_parameters`` of the engine's module has a subclass of DeepSpeed's class meanwhile;
+    removing the last handle gives each its class back.
     """
     modules = list(engine.module.modules())
     depth = [0]
+    for module in modules:
+        ensure_zero_ordered_dict(module)
+    named = {module: prefix for prefix, module in engine.module.named_modules()}
+    originals = [(module._parameters, type(module._parameters)) for module in modules]
+    for parameters, original in originals:
+        parameters.__class__ = _checked_parameters(original, named, refuse)
 
     def mark(running: bool) -> None:
         for module in modules:
-            ensure_zero_ordered_dict(module)
             module._parameters._in_forward = running  # type: ignore[union-attr]
 
     def enter(module: torch.nn.Module, args: Any) -> None:
@@ -1144,8 +1158,72 @@ def discover_external_parameters(engine: DeepSpeedEngine) -> list[RemovableHandl
         if depth[0] == 0:
             mark(False)
 
+    def restore() -> None:
+        for parameters, original in originals:
+            parameters.__class__ = original
+
     handles = [module.register_forward_pre_hook(enter) for module in modules]
-    return handles + [module.register_forward_hook(leave, always_call=True) for module in modules]
+    handles += [module.register_forward_hook(leave, always_call=True) for module in modules]
+    return [*handles, _Undo(restore)]
+
+
+class _Undo(RemovableHandle):
+    """A handle whose ``remove()`` runs ``undo`` once."""
+
+    def __init__(self, undo: Callable[[], None]) -> None:
+        super().__init__(collections.OrderedDict())
+        self._undo: Callable[[], None] | None = undo
+
+    def remove(self) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+
+def _checked_parameters(
+    original: type[Any], named: dict[torch.nn.Module, str], refuse: Callable[[str, str], None]
+) -> type:
+    def getitem(parameters: Any, key: str) -> Any:
+        param = original.__getitem__(parameters, key)
+        if (
+            param is not None
+            and not parameters._in_forward
+            and getattr(param, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
+        ):
+            caller = _caller(sys._getframe(1))
+            if not _only_requires_grad(caller):
+                prefix = named.get(parameters._parent_module, "")
+                refuse(f"{prefix}.{key}" if prefix else key, _reader(caller))
+        return param
+
+    namespace = {"__module__": original.__module__, "__qualname__": original.__qualname__, "__getitem__": getitem}
+    return type(original.__name__, (original,), namespace)
+
+
+def _caller(frame: Any) -> Any:
+    """The frame of the code that read a parameter attribute: past ``Module.__getattr__``."""
+    return frame.f_back if frame is not None and frame.f_code.co_name == "__getattr__" else frame
+
+
+def _reader(frame: Any) -> str:
+    """The ``__name__`` of ``frame``'s code; where its function is a ``reset_parameters``, its name after it."""
+    if frame is None:
+        return ""
+    reader = str(frame.f_globals.get("__name__", ""))
+    return f"{reader}.{frame.f_code.co_name}" if "reset_parameters" in frame.f_code.co_name else reader
+
+
+def _only_requires_grad(frame: Any) -> bool:
+    """Whether ``frame``'s next instruction reads or sets ``requires_grad`` of the attribute just read.
+
+    Freezing or unfreezing (``self.net.fc.weight.requires_grad_(False)``) a partition answers as the whole weight
+    would. Reads CPython's bytecode (``dis``), only where the strategy is about to refuse.
+    """
+    if frame is None:
+        return False
+    after = next((i for i in dis.get_instructions(frame.f_code) if i.offset > frame.f_lasti), None)
+    touched = ("LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR")
+    return after is not None and after.opname in touched and after.argval in ("requires_grad", "requires_grad_")
 
 
 def suspend_zero3_hooks(engine: DeepSpeedEngine) -> Callable[[], None]:

@@ -21,6 +21,8 @@ from tests import patterns
 from tests.distributed.common import cpu_trainer, sharded_loader
 from tests.distributed.harness import on_ranks
 
+ALL_PARTITIONED = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # no small weight kept whole
+
 
 class GAN(pl.LightningModule):
     def __init__(self, step: Callable[[GAN, torch.Tensor], object] | None = None, optimizers: str = "both") -> None:
@@ -70,6 +72,24 @@ def gathers_by_rank(module: GAN, batch: torch.Tensor) -> None:
 def returns_loss(module: GAN, batch: torch.Tensor) -> torch.Tensor:
     real, z = patterns.split(batch)
     return module.discriminator(module.generator(z)).mean()
+
+
+def tied_outside_forward(module: GAN, batch: torch.Tensor) -> torch.Tensor:
+    """A product with the discriminator's first weight in ``training_step`` itself, outside every forward."""
+    real, z = patterns.split(batch)
+    return (module.generator(z) @ module.discriminator[0].weight.t()).mean()
+
+
+def init_outside_forward(module: GAN, batch: torch.Tensor) -> torch.Tensor:
+    """The discriminator's last layer re-initialised in place (``nn.init``) in ``training_step``."""
+    torch.nn.init.zeros_(module.discriminator[2].weight)
+    return returns_loss(module, batch)
+
+
+def reset_outside_forward(module: GAN, batch: torch.Tensor) -> torch.Tensor:
+    """The same through torch's own ``reset_parameters()``."""
+    module.discriminator[2].reset_parameters()
+    return returns_loss(module, batch)
 
 
 def detached_loss(module: GAN, batch: torch.Tensor) -> None:
@@ -452,6 +472,14 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         },
     ),
     **{f"full_gradients_in_no_sync_zero{s}": (lambda: GAN(reads_inside_no_sync), {"stage": s}) for s in (2, 3)},
+    **{
+        f"{use}_outside_forward_zero3": (lambda step=step: GAN(step), {"stage": 3, "config": ALL_PARTITIONED})
+        for use, step in (
+            ("tied", tied_outside_forward),
+            ("init", init_outside_forward),
+            ("reset", reset_outside_forward),
+        )
+    },
 }
 
 
@@ -624,6 +652,16 @@ EXPECTED = {
         f"full_gradients_in_no_sync_zero{stage}": rf"`full_gradients\('discriminator'\)` inside `strategy.no_sync"
         rf"\(...\)`: the ZeRO-{stage} engine .*Read them after the `with` block"
         for stage in (2, 3)
+    },
+    **{
+        f"{use}_outside_forward_zero3": rf"^`{param}` of engine 'discriminator' \(ZeRO-3\) was read outside every "
+        rf"forward of 'discriminator' \(in {reader}\).*an empty tensor.*Use it inside the forward of a submodule of "
+        r"'discriminator'.*gathered\('discriminator', modifier_rank=0\)"
+        for use, param, reader in (
+            ("tied", r"0\.weight", __name__),
+            ("init", r"2\.weight", __name__),
+            ("reset", r"2\.weight", r"torch\.nn\.modules\.linear\.reset_parameters"),
+        )
     },
 }
 
