@@ -106,8 +106,10 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             check off (a gloo group, made at the first such block of a fit on several ranks, and one small all-gather
             per block).
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm's running statistics) to every rank at the start of
-            each ``training_step``, as ``DDPStrategy(broadcast_buffers=True)``, its default, does before each forward;
-            one coalesced broadcast a step where the module has buffers. As under DDP, which looks for buffers when
+            a ``training_step`` where ``DDPStrategy(broadcast_buffers=True)``, its default, does: each step (each
+            accumulation window's first) in automatic optimization; in manual optimization the fit's first step
+            only (Lightning leaves DDP's next forward unsynced after each manual ``training_step``). One coalesced
+            broadcast where the module has buffers. As under DDP, which looks for buffers when
             it wraps the module, a module with none at the strategy's setup (after ``configure_model``; buffers
             named in ``_ddp_params_and_buffers_to_ignore`` do not count) has none broadcast in that fit; where it has
             some, buffers added or replaced later are broadcast too. ``False`` lets each rank keep its own.
@@ -517,11 +519,13 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """Run ``training_step`` from rank 0's buffers (``broadcast_buffers``); refuse a module that can never train."""
         module = self.lightning_module
         if module is not None and self.broadcast_buffers and self._buffers_to_sync and torch.is_grad_enabled():
-            # As DDP, whose forwards under `no_sync` (accumulating batches) leave the next forward unsynced: the
-            # first batch of each accumulation window.
+            # As DDPStrategy: in automatic optimization DDP's forwards under `no_sync` (accumulating batches) leave
+            # the next forward unsynced, so the first batch of each accumulation window; in manual optimization
+            # Lightning turns DDP's gradient sync off after the forward that runs `training_step`
+            # (`_DDPForwardRedirection`), so DDP syncs before the fit's first step only.
             if self._buffers_due:
                 torch_compat.broadcast_buffers(module)
-            self._buffers_due = not should_accumulate(module.trainer)
+            self._buffers_due = module.automatic_optimization and not should_accumulate(module.trainer)
         output = super().training_step(*args, **kwargs)
         self._engine_set.check_loss_was_used(output)
         return output
