@@ -19,8 +19,9 @@ A case is a test module ``tests/realcode/test_<package>.py`` that declares::
 - ``launched``: the fixture of ``tests/realcode/conftest.py``: ONE launch per case module (the module's ``CASE``),
   in which each rank fits DDP first, then each setup of this run, one after another.
 - :func:`setups` lists the setups this run compares with DDP, as pytest parameters (with the case's ``xfail``
-  marks): ``zero3`` and ``mixed`` (where the case has one) by default, CI's run; ``REALCODE_STAGES=all``
-  (``make realcode``) adds ``zero0`` and ``zero2``; a comma list (``REALCODE_STAGES=zero2,mixed``) names them.
+  marks): ``Case.ci`` by default, CI's run (``zero3`` and ``mixed``, where the case has one); ``REALCODE_STAGES=all``
+  (``make realcode``) runs ``zero0``, ``zero2``, ``zero3`` and ``mixed``; a comma list (``REALCODE_STAGES=zero2,mixed``)
+  names them.
 - :func:`assert_matches_ddp` fails where a setup's final state differs from DDP's: a key missing or extra, a shape,
   or any tensor off by more than ``Case.tolerance`` (1e-5, fp32), listing the worst tensors; where the setup's fit
   raised, it fails with that error.
@@ -83,6 +84,9 @@ class Case:
     xfail: Mapping[str, str] = field(default_factory=dict)
     """Setup -> the finding, one line: that setup is expected to fail (strict)."""
     tolerance: float = 1e-5
+    ci: tuple[str, ...] = CI_SETUPS
+    """The setups of the default (CI's) run; a case whose ``zero3`` and ``mixed`` are expected to fail adds one that
+    trains (``("zero2", "zero3", "mixed")``), so CI still compares it with DDP."""
 
 
 # ---- pytest side -------------------------------------------------------------------------------------------------
@@ -91,7 +95,7 @@ class Case:
 def run_setups(case: Case) -> list[str]:
     """The setups this run compares with DDP: ``REALCODE_STAGES`` (``all``, or a comma list), else CI's."""
     chosen = os.environ.get(STAGES_VARIABLE, "")
-    names = ALL_SETUPS if chosen == "all" else tuple(n.strip() for n in chosen.split(",") if n.strip()) or CI_SETUPS
+    names = ALL_SETUPS if chosen == "all" else tuple(n.strip() for n in chosen.split(",") if n.strip()) or case.ci
     unknown = [name for name in names if name not in ALL_SETUPS]
     if unknown:
         raise ValueError(f"{STAGES_VARIABLE}: unknown setups {unknown}; known: {', '.join(ALL_SETUPS)} or 'all'")
