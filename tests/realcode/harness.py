@@ -35,7 +35,8 @@ ZeRO-1/2/3. The step count is left out (ZeRO keeps one per group): it shows in t
 
 Setups: ``zeroN`` is ``MultiDeepSpeedStrategy(stage=N)`` with each name in ``Case.frozen`` given an entry at that
 stage (a frozen engine, partitioned at ZeRO-3); ``mixed`` gives each submodule of ``Case.mixed`` its own stage
-(``engine_configs``), the others ``Case.mixed_default``. ``Case.options`` go to every ``MultiDeepSpeedStrategy``
+(``engine_configs``), the others ``Case.mixed_default``. At ZeRO-3 every weight is partitioned
+(``stage3_param_persistence_threshold: 0``, :data:`PARTITION_ALL`), however small. ``Case.options`` go to every ``MultiDeepSpeedStrategy``
 (``ema=``, ``elementwise_optimizers=``); ``Case.find_unused`` to it and to ``DDPStrategy``.
 """
 
@@ -62,6 +63,9 @@ SEED = 0
 STAGES_VARIABLE = "REALCODE_STAGES"
 CI_SETUPS = ("zero3", "mixed")
 ALL_SETUPS = ("zero0", "zero2", "zero3", "mixed")
+PARTITION_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+"""Every engine's config: at ZeRO-3 every weight is partitioned, as a real model's large ones are (DeepSpeed keeps
+weights of up to 1e5 elements whole by default: at the cases' tiny widths, all of them). Unused at ZeRO-0/1/2."""
 TIMEOUT = 240.0
 """Seconds one launch (every setup of a case) may take before its ranks are stopped."""
 
@@ -173,7 +177,7 @@ def strategy_for(case: Case, setup: str) -> pl.strategies.Strategy:
         stages = dict.fromkeys(case.frozen, default)
     configs = {name: {"zero_optimization": {"stage": stage}} for name, stage in stages.items()}
     options = {"find_unused_parameters": case.find_unused, **case.options}
-    return MultiDeepSpeedStrategy(stage=default, engine_configs=configs, **options)
+    return MultiDeepSpeedStrategy(stage=default, config=PARTITION_ALL, engine_configs=configs, **options)
 
 
 class _Reseed(pl.Callback):
