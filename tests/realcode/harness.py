@@ -36,8 +36,8 @@ ZeRO-1/2/3. The step count is left out (ZeRO keeps one per group): it shows in t
 Setups: ``zeroN`` is ``MultiDeepSpeedStrategy(stage=N)`` with each name in ``Case.frozen`` given an entry at that
 stage (a frozen engine, partitioned at ZeRO-3); ``mixed`` gives each submodule of ``Case.mixed`` its own stage
 (``engine_configs``), the others ``Case.mixed_default``. At ZeRO-3 every weight is partitioned
-(``stage3_param_persistence_threshold: 0``, :data:`PARTITION_ALL`), however small. ``Case.options`` go to every ``MultiDeepSpeedStrategy``
-(``ema=``, ``elementwise_optimizers=``); ``Case.find_unused`` to it and to ``DDPStrategy``.
+(``stage3_param_persistence_threshold: 0``, :data:`PARTITION_ALL`), however small. ``Case.options`` go to every
+``MultiDeepSpeedStrategy`` (``ema=``, ``elementwise_optimizers=``); ``Case.find_unused`` to it and to ``DDPStrategy``.
 """
 
 from __future__ import annotations
