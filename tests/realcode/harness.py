@@ -228,9 +228,7 @@ def engine_moments(strategy: MultiDeepSpeedStrategy, module: torch.nn.Module) ->
     from deepspeed.utils import safe_get_full_optimizer_state
 
     names, moments = _names(module), {}
-    for engine in strategy.engines.values():
-        if engine.optimizer is None:
-            continue
+    for engine in (optimizer.engine for optimizer in strategy.optimizers):  # trained engines: frozen ones have none
         if engine.zero_optimization_stage() == 0:
             moments |= torch_moments([engine.optimizer], module)
             continue
