@@ -88,6 +88,9 @@ class Case:
     xfail: Mapping[str, str] = field(default_factory=dict)
     """Setup -> the finding, one line: that setup is expected to fail (strict)."""
     tolerance: float = 1e-5
+    extra_state: Callable[[pl.LightningModule], Mapping[str, torch.Tensor]] | None = None
+    """Tensors the code keeps outside the module's ``state_dict`` (diffusers' ``EMAModel`` shadow weights), read on
+    every rank at the end of training and compared as the others are, keyed as returned."""
     ci: tuple[str, ...] = CI_SETUPS
     """The setups of the default (CI's) run; a case whose ``zero3`` and ``mixed`` are expected to fail adds one that
     trains (``("zero2", "zero3", "mixed")``), so CI still compares it with DDP."""
@@ -190,11 +193,14 @@ class _Reseed(pl.Callback):
 class _AtEnd(pl.Callback):
     """:func:`final_state` at ``on_train_end``, before teardown stops the engines."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra_state: Callable[[pl.LightningModule], Mapping[str, torch.Tensor]] | None = None) -> None:
         self.state: dict[str, torch.Tensor] = {}
+        self.extra_state = extra_state
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.state = final_state(trainer, pl_module)
+        if self.extra_state is not None:
+            self.state |= {key: value.detach().cpu().clone() for key, value in self.extra_state(pl_module).items()}
 
 
 def final_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, torch.Tensor]:
@@ -253,7 +259,7 @@ def _flat_state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
 def fit_one(case: Case, setup: str) -> dict[str, Any]:
     """Fit a new module of ``case`` under ``setup``'s strategy; its final state and seconds, or the error."""
     torch.manual_seed(SEED)
-    module, at_end = case.build(), _AtEnd()
+    module, at_end = case.build(), _AtEnd(case.extra_state)
     trainer = cpu_trainer(
         strategy_for(case, setup),
         callbacks=[_Reseed(), at_end],
