@@ -24,14 +24,16 @@ A case is a test module ``tests/realcode/test_<package>.py`` that declares::
   names them.
 - :func:`assert_matches_ddp` fails where a setup's final state differs from DDP's: a key missing or extra, a shape,
   or any tensor off by more than ``Case.tolerance`` (1e-5, fp32), listing the worst tensors; where the setup's fit
-  raised, it fails with that error.
+  raised, it fails with that error (a fit that raises on one rank only leaves the other waiting in a collective:
+  the launch then fails whole at :data:`TIMEOUT`).
 
 What is compared (:func:`final_state`, read at ``on_train_end`` on every rank, kept from rank 0): every entry of
 the LightningModule's ``state_dict`` (weights and buffers, ZeRO-3 partitions gathered:
 ``strategy.consolidated_state_dict()``), and, for each trained parameter, every optimizer state tensor shaped like
 it (Adam's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``), keyed ``optimizer/<parameter>/<state>``:
 torch's ``optimizer.state`` under DDP and at ZeRO-0, ``deepspeed.utils.safe_get_full_optimizer_state`` at
-ZeRO-1/2/3. The step count is left out (ZeRO keeps one per group): it shows in the weights.
+ZeRO-1/2/3. The step count is left out (ZeRO keeps one per group): it shows in the weights. A moment on one side
+only and all zeros (a parameter never stepped: torch keeps no state for it, ZeRO's flat state holds zeros) is skipped.
 
 Setups: ``zeroN`` is ``MultiDeepSpeedStrategy(stage=N)`` with each name in ``Case.frozen`` given an entry at that
 stage (a frozen engine, partitioned at ZeRO-3); ``mixed`` gives each submodule of ``Case.mixed`` its own stage
@@ -133,12 +135,22 @@ def differences(expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch
     """Key -> the largest absolute difference (``inf`` where a key is missing on one side or the shapes differ)."""
     diffs = {}
     for key in expected.keys() | actual.keys():
+        if _never_stepped(key, expected, actual):
+            continue
         if key not in expected or key not in actual or expected[key].shape != actual[key].shape:
             diffs[key] = float("inf")
             continue
         gap = (expected[key].double() - actual[key].double()).abs()
         diffs[key] = gap.max().item() if gap.numel() else 0.0
     return diffs
+
+
+def _never_stepped(key: str, expected: Mapping[str, torch.Tensor], actual: Mapping[str, torch.Tensor]) -> bool:
+    """An optimizer state on one side only, all zeros: a parameter never stepped, which torch keeps no state for and
+    ZeRO's flat state holds as zeros."""
+    if not key.startswith("optimizer/") or (key in expected) == (key in actual):
+        return False
+    return not (expected[key] if key in expected else actual[key]).any()
 
 
 def verdict(launched: Launched, setup: str, tolerance: float = 1e-5) -> str:
