@@ -35,7 +35,7 @@ LANE_TARGETS ?= pytest
 # `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
 # `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
 unexport VENV PYTHON TORCH_SPEC WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
-.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels gpu-wheels-proof pytest fuzz lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch lm-grid clean
+.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels gpu-wheels-proof pytest fuzz realcode lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch lm-grid clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml
 	$(if $(WHEELHOUSE),$(PY) -m pip download --quiet --dest $(WHEELHOUSE) "$(TORCH_SPEC)" $(TORCH_INDEX_ARG))
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE),$(TORCH_INDEX_ARG))
 	$(PY) -m pip install --quiet --no-build-isolation "deepspeed>=0.19.8,<0.20"
-	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev,examples]"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev,examples,realcode]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -74,6 +74,11 @@ FUZZ_SEEDS ?= 0:200
 FUZZ_ARGS ?=
 fuzz: $(STAMP)
 	$(PY) -m tests.fuzz.fuzz --seeds $(FUZZ_SEEDS) --report outputs/fuzz/report-$(subst :,-,$(FUZZ_SEEDS)).json $(FUZZ_ARGS)
+
+# The real-code suite (tests/realcode: public packages' training code against DDPStrategy) at every setup: ZeRO 0, 2,
+# 3 and the mixed one. `make test` runs each case's CI setups (ZeRO-3, and mixed where a case has one).
+realcode: $(STAMP)
+	REALCODE_STAGES=all $(PY) -m pytest tests/realcode -rxX
 
 test-readme: $(STAMP)
 	README_DOCTEST=1 $(PY) -m pytest tests/readme -rs

@@ -218,3 +218,16 @@ def test_the_examples_extra_holds_what_the_examples_import() -> None:
     }
     for module in third_party_imports("examples"):
         assert providers(module) & declared, f"examples/ imports {module}: add it to the `examples` extra"
+
+
+def test_the_realcode_extra_holds_what_the_real_code_suite_imports() -> None:
+    """tests/realcode fits public packages' code: each one it imports is declared, where `make install` installs it."""
+    project = pyproject()["project"]
+    extras = project["optional-dependencies"]
+    declared = {
+        canonicalize_name(Requirement(requirement).name)
+        for requirement in project["dependencies"] + extras["examples"] + extras["dev"] + extras["realcode"]
+    }
+    for module in third_party_imports("tests/realcode") - {"tests"}:
+        assert providers(module) & declared, f"tests/realcode imports {module}: add it to the `realcode` extra"
+    assert ".[dev,examples,realcode]" in (REPO / "Makefile").read_text(), "the Makefile's install leaves it out"
