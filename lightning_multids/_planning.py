@@ -113,6 +113,7 @@ def plan_engines(
     for name in [*matched, *from_config, *frozen]:
         for part in called_modules(modules[name]):
             _check_not_compiled_at_zero3(name, part, configs[name])
+            _check_parameters_take_recurse(name, part, configs[name])
     engines = {name: modules[name] for name in [*matched, *from_config, *frozen]}
     check_disjoint(module, engines, configs)
     manual = not module.automatic_optimization
@@ -293,6 +294,28 @@ def _check_not_compiled_at_zero3(name: str, submodule: nn.Module, config: Mappin
             f"`engine_configs={{{name!r}: {{'zero_optimization': {{'stage': 2}}}}}}`, or assign the module "
             "uncompiled."
         )
+
+
+def _check_parameters_take_recurse(name: str, submodule: nn.Module, config: Mapping[str, Any]) -> None:
+    """Refuse at ZeRO-3 a module that overrides ``parameters()`` without ``recurse`` (x-transformers' ``DPO``).
+
+    DeepSpeed's ZeRO-3 calls ``module.parameters(recurse=...)`` on the engine's submodules as it partitions them,
+    and stops with Python's ``TypeError`` inside DeepSpeed on such an override.
+    """
+    if zero_stage(config) != 3:
+        return
+    for path, child in submodule.named_modules():
+        try:
+            inspect.signature(child.parameters).bind(recurse=True)
+        except TypeError:
+            where = f"`{name}.{path}`" if path else f"{name!r}"
+            raise ValueError(
+                f"The submodule {where} ({type(child).__module__}.{type(child).__qualname__}) overrides "
+                f"`parameters()` without its `recurse` argument, and engine {name!r} runs ZeRO-3, which calls "
+                f"`module.parameters(recurse=...)` on every submodule as it partitions the weights. Give {name!r} "
+                f"ZeRO-0/1/2, e.g. `engine_configs={{{name!r}: {{'zero_optimization': {{'stage': 2}}}}}}`, or let "
+                "the override take `recurse: bool = True`."
+            ) from None
 
 
 def _check_has_parameters(name: str, submodule: nn.Module) -> None:

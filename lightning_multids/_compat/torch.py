@@ -447,6 +447,23 @@ def _guarded_class(original: type, checks: Mapping[str, Check], active: set[str]
     return type(original)(original.__name__, (original,), namespace)
 
 
+def _same_tensor(current: Any, value: Any) -> bool:
+    """Whether setting ``value`` changes nothing: a view of ``current``'s memory with its shape, strides and dtype.
+
+    ``p.data = p.data.to(device, dtype)`` where both match already (pytorch-metric-learning's losses do it in each
+    forward) hands the tensor back to itself.
+    """
+    return (
+        isinstance(current, torch.Tensor)
+        and isinstance(value, torch.Tensor)
+        and value.data_ptr() == current.data_ptr()
+        and value.shape == current.shape
+        and value.stride() == current.stride()
+        and value.dtype == current.dtype
+        and value.device == current.device
+    )
+
+
 def _checked_property(attribute: str, check: Check, active: set[str]) -> property:
     def read(param: torch.Tensor) -> Any:
         if attribute in active:
@@ -454,7 +471,7 @@ def _checked_property(attribute: str, check: Check, active: set[str]) -> propert
         return _TENSOR_ATTRIBUTES[attribute].__get__(param)
 
     def write(param: torch.Tensor, value: Any) -> None:
-        if attribute in active:
+        if attribute in active and not _same_tensor(_TENSOR_ATTRIBUTES[attribute].__get__(param), value):
             check(param, sys._getframe(1).f_globals.get("__name__", ""), "set")
         _TENSOR_ATTRIBUTES[attribute].__set__(param, value)
 

@@ -347,6 +347,21 @@ class AveragesAPart(GAN):
         return torch.optim.SGD([*self.generator.parameters(), *self.discriminator.parameters()], lr=0.1)
 
 
+class PolicyOnly(torch.nn.Sequential):
+    """Overrides ``parameters()`` without ``recurse``, as x-transformers' ``DPO`` (its policy's only)."""
+
+    def parameters(self):  # type: ignore[override]
+        return self[0].parameters()
+
+
+class WithPolicyOnly(GAN):
+    """The GAN whose discriminator is a :class:`PolicyOnly`."""
+
+    def __init__(self) -> None:
+        super().__init__(returns_loss)
+        self.discriminator = PolicyOnly(*self.discriminator)
+
+
 class WithProbe(GAN):
     """The GAN with a submodule that reuses the discriminator's first layer."""
 
@@ -448,6 +463,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
     "ema_of_another_shape": (lambda: GAN(returns_loss, "generator"), {"ema": {"discriminator": ("generator", 0.9)}}),
     "ema_that_is_trained": (lambda: GAN(returns_loss, "generator"), {"ema": {"generator": ("discriminator", 0.9)}}),
     "ema_of_a_part": (AveragesAPart, {"ema": {"average": ("discriminator", 0.9)}}),
+    "parameters_without_recurse_zero3": (WithPolicyOnly, {"stage": 3}),
     **{f"plain_backward_zero{stage}": (lambda: GAN(plain_backward), {"stage": stage}) for stage in range(4)},
     "autograd_backward": (lambda: GAN(autograd_backward), {"stage": 3}),
     "autograd_grad_allowed": (lambda: GAN(gradients_by_autograd_grad), {"stage": 2}),
@@ -632,6 +648,9 @@ EXPECTED = {
     "ema_that_is_trained": r"EMA engine 'generator' \(`ema=`\) has an optimizer.*stop returning an optimizer over",
     "ema_of_a_part": r"EMA engine 'average' averages 'discriminator', which one optimizer trains with 'generator' "
     r"as the engine 'generator'.*Give the source its own optimizer",
+    "parameters_without_recurse_zero3": r"^The submodule 'discriminator' "
+    r"\(tests\.distributed\.test_errors\.PolicyOnly\) overrides `parameters\(\)` without its `recurse` argument, "
+    r"and engine 'discriminator' runs ZeRO-3.*Give 'discriminator' ZeRO-0/1/2",
     **{
         f"plain_backward_zero{stage}": r"backward outside `self.manual_backward` reached the parameters of engine "
         r"'discriminator'.*replace the call with `self.manual_backward\(loss\)`"

@@ -86,10 +86,14 @@ def run() -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     results: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     for layout in ("child", "joined"):
         ddp = Quantized(layout)
-        cpu_trainer(DDPStrategy(process_group_backend="gloo"), use_distributed_sampler=False).fit(ddp)
+        cpu_trainer(
+            DDPStrategy(process_group_backend="gloo"), use_distributed_sampler=False, enable_checkpointing=False
+        ).fit(ddp)
         at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
         strategy = MultiDeepSpeedStrategy(stage=3, config=ALL_PARTITIONED)
-        cpu_trainer(strategy, use_distributed_sampler=False, callbacks=[at_end]).fit(Quantized(layout))
+        cpu_trainer(strategy, use_distributed_sampler=False, enable_checkpointing=False, callbacks=[at_end]).fit(
+            Quantized(layout)
+        )
         results[layout] = {"ddp": {k: v.detach().clone() for k, v in ddp.state_dict().items()}, "zero3": at_end.value}
     return results
 

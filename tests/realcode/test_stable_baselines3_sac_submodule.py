@@ -7,9 +7,10 @@ differs: ``self.entropy.log_ent_coef`` (a module holding the one parameter, no `
 partitions away (issue 67).
 
 Findings: at ZeRO-3, ``polyak_update`` of the critics is refused at its first read of their ``param.data`` (with
-the fix in the error); with the coefficient's holder at ZeRO-3 (the ``mixed`` setup) the coefficient is an empty
-tensor in ``training_step``, ``(log_prob + target).detach() * log_ent_coef`` broadcasts to an empty loss, and the fit
-runs to its end with every weight wrong and no error: the issue's class, silent here rather than an ``IndexError``.
+the fix in the error); with the coefficient's holder at ZeRO-3 (the ``mixed`` setup) the coefficient was an empty
+tensor in ``training_step``, ``(log_prob + target).detach() * log_ent_coef`` broadcast to an empty loss, and the fit
+ran to its end with every weight wrong and no error. Now its read there (``self.entropy.log_ent_coef``, outside every
+forward of its engine) is refused, naming the parameter, its engine and ``gathered``.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ CASE = Case(
     xfail={
         "zero3": "refused at the first polyak_update: it reads `param.data` of the ZeRO-3 critics outside their "
         "forward (the error names `gathered` and `ema=`)",
-        "mixed": "silently wrong: log_ent_coef, read outside its holder's forward, is an empty ZeRO-3 partition "
-        "(shape (0,)) that the losses broadcast without an error; every weight off by up to 0.03, no error",
+        "mixed": "refused at the first read of log_ent_coef in training_step, outside every forward of its ZeRO-3 "
+        "engine, where it is an empty partition (the error names the parameter, its engine and `gathered`)",
     },
 )
 

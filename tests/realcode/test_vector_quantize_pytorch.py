@@ -11,13 +11,12 @@ small patch discriminator with its own AdamW and the hinge loss; the autoencoder
 loss). The quantizer is a child of the autoencoder, inside its forward, as the example holds it. Images are
 8x8 smooth patterns made with torch.
 
-Finding (every setup expected to fail, :data:`BUFFERS`): the codebook is built before the process group exists, so
-each rank updates its own (``sync_codebook`` is off), and the buffers decide which rank's is used. Lightning's
-``DDPStrategy`` in manual optimization broadcasts rank 0's buffers before the first step only (its forward
-redirection turns ``require_backward_grad_sync`` off inside DDP's forward, so DDP's ``_post_forward`` turns
-``require_forward_param_sync`` off, and no later forward broadcasts); the strategy broadcasts them at every
-``training_step``, as DDP does in automatic optimization. With ``MultiDeepSpeedStrategy(broadcast_buffers=False)``
-every setup matches DDP bit for bit (tried, not kept: the case runs the strategy as a user would).
+What it found (fixed): the codebook is built before the process group exists, so each rank updates its own
+(``sync_codebook`` is off), and the buffers decide which rank's is used. Lightning's ``DDPStrategy`` in manual
+optimization broadcasts rank 0's buffers before the first step only (its forward redirection turns
+``require_backward_grad_sync`` off inside DDP's forward, so DDP's ``_post_forward`` turns ``require_forward_param_sync``
+off, and no later forward broadcasts); the strategy broadcast them at every ``training_step``, and rank 1's codebook
+differed from step 2 (weights off by 4e-3). It now broadcasts where DDPStrategy does, and every setup matches.
 """
 
 from __future__ import annotations
@@ -101,15 +100,10 @@ class VQGAN(pl.LightningModule):
         return sharded_loader(self, images(), batch_size=PER_RANK)
 
 
-BUFFERS = (
-    "rank 0's buffers broadcast at every training_step, where Lightning's DDPStrategy in manual optimization "
-    "broadcasts them before the first step only: rank 1's EMA codebook differs from step 2 (weights off by 4e-3)"
-)
 CASE = Case(
     build=VQGAN,
     mixed={"discriminator": 3},  # the autoencoder at ZeRO-2, its loss through a ZeRO-3 discriminator
     find_unused=True,  # the discriminator's backward leaves the autoencoder without a gradient (DDP's reducer)
-    xfail=dict.fromkeys(("zero0", "zero2", "zero3", "mixed"), BUFFERS),
 )
 
 

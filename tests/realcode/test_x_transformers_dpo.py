@@ -13,11 +13,11 @@ The reference lives inside the wrapper, so the strategy builds one engine over `
 reference frozen inside it): there is no separate engine to give the reference another stage, so this case has no
 mixed setup.
 
-Finding (zero3, expected to fail): DeepSpeed's ZeRO-3 partitioning calls ``module.parameters(recurse=True)`` on the
-engine's submodule, and ``DPO.parameters(self)`` takes no argument: ``TypeError: DPO.parameters() got an unexpected
-keyword argument 'recurse'`` from inside ``deepspeed.initialize``, at setup, a raw error the strategy does not turn
-into one naming the cause (torch's own ``Module`` methods call ``named_parameters``, so the override works under DDP
-and at ZeRO-0/2, where it matches bit for bit).
+Finding (zero3, refused at setup): DeepSpeed's ZeRO-3 partitioning calls ``module.parameters(recurse=True)`` on the
+engine's submodule, and ``DPO.parameters(self)`` takes no argument: it was ``TypeError: DPO.parameters() got an
+unexpected keyword argument 'recurse'`` from inside ``deepspeed.initialize``; now the strategy refuses it at setup,
+naming the class and ZeRO-0/1/2 as the fix (torch's own ``Module`` methods call ``named_parameters``, so the
+override works under DDP and at ZeRO-0/2, where it matches bit for bit).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ CASE = Case(
     build=Preference,
     ci=("zero2", "zero3"),  # zero3 fails at setup: zero2 is what CI compares
     xfail={
-        "zero3": "DeepSpeed's ZeRO-3 Init calls module.parameters(recurse=True) on the engine's submodule; DPO "
-        "overrides parameters() without arguments: TypeError at setup, not refused by the strategy",
+        "zero3": "refused at setup: DPO overrides parameters() without `recurse`, which ZeRO-3 calls on every "
+        "submodule (the error names the class and ZeRO-0/1/2)",
     },
 )
 

@@ -48,3 +48,18 @@ def test_a_zero3_weight_is_refused_to_user_code_unless_a_submodule_holding_it_ru
     check(weight, "my_module", "read")  # in its submodule's forward: whole
     with pytest.raises(RuntimeError, match=r"was set outside its forward"):
         check(weight, "my_module", "set")
+
+
+def test_setting_data_to_itself_changes_nothing_and_passes() -> None:
+    """pytorch-metric-learning's losses run ``self.W.data = c_f.to_device(self.W.data, ...)`` in each forward."""
+    layer = nn.Linear(2, 2)
+    guard = ParameterGuard(list(layer.parameters()), {"data": refuse})
+    guard.enable("data")
+    with guard.suspended():
+        same = layer.weight.data
+    layer.weight.data = same  # the same memory, shape and dtype: no check
+    with pytest.raises(RuntimeError, match=f"set from {__name__}"):
+        layer.weight.data = same.clone()
+    with pytest.raises(RuntimeError, match=f"set from {__name__}"):
+        layer.weight.data = same.t()  # the same memory, other strides: a change
+    guard.close()
