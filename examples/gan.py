@@ -9,7 +9,8 @@ exponential moving average of the generator (the strategy's ``ema=``), is a froz
 are drawn from it. Both networks are told which digit to draw or judge (a conditional GAN): an unconditional one
 of this size collapses onto a few digits. Each validation epoch logs the Kernel Inception Distance between
 generated and held-out digits, measured in the feature space of a small digit classifier
-(:mod:`examples.digits`), how varied the samples of each digit are against held-out digits (``val/diversity``),
+(:mod:`examples.digits`), with its standard error (``val/kid`` and ``val/kid_std``; the best checkpoint is the
+epoch of lowest KID), how varied the samples of each digit are against held-out digits (``val/diversity``),
 the share of each digit among samples as that classifier labels them (``digits/0`` to ``digits/9``;
 ``val/rarest_digit`` the least), and a grid of samples (one column per digit).
 """
@@ -17,7 +18,6 @@ the share of each digit among samples as that classifier labels them (``digits/0
 from __future__ import annotations
 
 import copy
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -27,7 +27,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from PIL import Image
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LRScheduler
-from torchmetrics.image.kid import KernelInceptionDistance
+from torchmetrics.image.kid import poly_mmd
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 from examples.digits import CLASSES, IMAGE, DigitsFeatures, digits_split, load_features
 
@@ -96,21 +97,26 @@ class DigitsGAN(pl.LightningModule):
         lr: Adam's learning rate for both engines.
         grid_rows: how many samples of each digit the image grid logged each validation epoch shows.
         histogram_samples: how many samples the class histogram at the end of fit labels.
+        kid_draws: how many sets of samples, each as large as the held-out split, KID is averaged over (2 or more:
+            their spread gives its standard error).
     """
 
     def __init__(
-        self, latent_dim: int = 16, lr: float = 2e-3, grid_rows: int = 6, histogram_samples: int = 2000
+        self,
+        latent_dim: int = 16,
+        lr: float = 2e-3,
+        grid_rows: int = 6,
+        histogram_samples: int = 2000,
+        kid_draws: int = 64,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.generator = Generator(latent_dim)
         self.discriminator = Discriminator()
         self.generator_ema = copy.deepcopy(self.generator)  # an average of the generator when the strategy keeps one
-        # Plain submodules (no optimizer, no engine): a digit classifier, and KID in its feature space.
+        # A plain submodule (no optimizer, no engine): a digit classifier, whose features KID compares.
         self.classifier = load_features()
-        with warnings.catch_warnings():  # torchmetrics warns that KID keeps its features: 2 x 900 x 32 floats here
-            warnings.filterwarnings("ignore", message=".*will save all extracted features in buffer")
-            self.kid = KernelInceptionDistance(feature=self.classifier, subsets=20, subset_size=100)
+        self.kid_features: list[torch.Tensor] = []  # per validation batch: the held-out digits', then each draw's
         self.run_summary: dict[str, str] = {}  # extra lines for lightning_multids.utilities.RunSummary
 
     @property
@@ -143,15 +149,25 @@ class DigitsGAN(pl.LightningModule):
         self.log_dict({"train/d_loss": d_loss, "train/g_loss": g_loss}, prog_bar=True, sync_dist=True)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        real, labels = batch
-        self.kid.update(real, real=True)
-        self.kid.update(self.sampler.sample(labels, self.device), real=False)
+        """The features of the held-out digits and of ``kid_draws`` as many samples, each asked for a random digit.
+
+        The same noise and digits every epoch (per rank and batch): two epochs' KIDs differ by the generator, not by
+        the draw. The digits asked for do not follow the held-out ones': samples asked for exactly their labels
+        match their counts of each digit, which biases KID low, below 0 for a good generator.
+        """
+        real, _ = batch
+        fixed = torch.Generator().manual_seed((self.global_rank << 20) + batch_idx)
+        draws = self.hparams.kid_draws
+        asked = torch.randint(CLASSES, (draws * len(real),), generator=fixed)
+        samples = self.sampler.sample(asked, self.device, generator=fixed)
+        features = torch.stack([self.classifier(real), *self.classifier(samples).chunk(draws)])
+        self.kid_features.append(features.float())  # KID in fp32 whatever the precision
 
     def on_validation_epoch_end(self) -> None:
-        kid_mean, _ = self.kid.compute()  # gathers every rank's features
-        self.kid.reset()
+        kid, kid_std = self.kernel_inception_distance()
         shares = self.class_shares(self.hparams.histogram_samples // 4).to(self.device)  # synced: nccl needs the GPU
-        self.log_dict({"val/kid": kid_mean, "val/rarest_digit": shares.min()}, prog_bar=True, sync_dist=True)
+        metrics = {"val/kid": kid, "val/kid_std": kid_std, "val/rarest_digit": shares.min()}
+        self.log_dict(metrics, prog_bar=True, sync_dist=True)
         self.log_dict({f"digits/{digit}": share for digit, share in enumerate(shares)}, sync_dist=True)
         self.log("val/diversity", self.diversity(), sync_dist=True)
         # The same noise every epoch, so the grids show one set of samples improving; a column per digit.
@@ -168,6 +184,20 @@ class DigitsGAN(pl.LightningModule):
         shares = self.class_shares(self.hparams.histogram_samples)
         histogram = "  ".join(f"{digit}: {share:.1%}" for digit, share in enumerate(shares.tolist()))
         self.run_summary["Digits drawn"] = f"{histogram} (of {self.hparams.histogram_samples}, by the classifier)"
+
+    def kernel_inception_distance(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """KID between the held-out digits and the samples, and its standard error; every rank gets the same.
+
+        Each draw of samples (as many as the held-out digits) is compared with all of them by torchmetrics' unbiased
+        estimate of KID (``poly_mmd``); the result is the mean over draws, and its standard error the draws' spread
+        over the square root of their number: how far the mean would move with other samples.
+        """
+        local = torch.cat(self.kid_features, dim=1)  # 1 + draws, digits of this rank, 32
+        self.kid_features.clear()
+        features = torch.cat(gather_all_tensors(local), dim=1)  # every rank's digits (as torchmetrics' own metrics)
+        real, draws = features[0], features[1:]
+        kids = torch.stack([poly_mmd(real, draw) for draw in draws])
+        return kids.mean(), kids.std() / len(kids) ** 0.5
 
     @torch.no_grad()
     def class_shares(self, n: int) -> torch.Tensor:

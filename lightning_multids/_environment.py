@@ -19,12 +19,9 @@ From the strategy's process-group start (``setup_distributed``) to its ``teardow
   ``torchrun`` set it; ``srun`` (SLURM), ``jsrun`` (LSF), Kubeflow and MPI do not, and Lightning's cluster
   environments read their own variables instead. The three are set from Lightning's cluster environment
   (:func:`set_launch_variables`, as Lightning's ``DeepSpeedStrategy`` does); teardown puts back what was there.
-- From ``setup``: torch 2.13 and 2.14 deprecate ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which
-  DeepSpeed 0.19.8's ZeRO calls at every gather and reduction (torch 2.15 no longer does). Python's "once per
-  place" does not hold during a fit (the registry that remembers a warning is cleared whenever the warning filters
-  change), so a ZeRO-3 engine printed them at every step, over a thousand lines per run, about a call the user did
-  not write and cannot change. Those two messages are not shown then; the filter is installed only where torch
-  marks the functions deprecated, and removed at teardown.
+- From ``setup``: the upstream warnings that say nothing to the user of the strategy are hidden
+  (:func:`lightning_multids._noise.hide_upstream_warnings`, under the name the strategy imports from here,
+  :func:`hide_zero_deprecations`), and shown again at teardown.
 """
 
 from __future__ import annotations
@@ -32,13 +29,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
-from typing import cast
 
-import torch.distributed
+from lightning_multids._noise import hide_upstream_warnings
 
 EXTENSIONS_VARIABLE = "TORCH_EXTENSIONS_DIR"
 DEEPSPEED_LOGGER = "DeepSpeed"
@@ -46,32 +41,9 @@ ACCELERATOR_GUESS = "Setting accelerator to CPU. If you have GPU or other accele
 """DeepSpeed 0.19.8's warning when it finds no GPU (``deepspeed/accelerator/real_accelerator.py``)."""
 
 
-ZERO_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
-"""The torch 2.13 deprecations that DeepSpeed 0.19.8's ZeRO collectives trigger (``torch/distributed``)."""
-
-
-ZERO_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor")
-
-
-def hide_zero_deprecations() -> Callable[[], None]:
-    """Stop showing the FutureWarnings of :data:`ZERO_DEPRECATIONS` (DeepSpeed's calls, not the user's).
-
-    Returns what shows them again. Nothing is hidden where torch does not deprecate the functions (it marks them
-    with ``__deprecated__``, PEP 702): there is nothing to hide, and a filter would be a needless side effect.
-    """
-    if not any(hasattr(getattr(torch.distributed, name, None), "__deprecated__") for name in ZERO_COLLECTIVES):
-        return _nothing
-    before = list(warnings.filters)
-    warnings.filterwarnings("ignore", message=ZERO_DEPRECATIONS, category=FutureWarning)
-    added = warnings.filters[0]
-    if added in before:  # the same filter was there (the user's, or an outer fit's): it stays theirs to remove
-        return _nothing
-
-    def show_again() -> None:
-        with suppress(ValueError):  # already gone, e.g. the user reset the filters
-            cast(list, warnings.filters).remove(added)  # a list at run time; typeshed says Sequence
-
-    return show_again
+hide_zero_deprecations = hide_upstream_warnings
+"""What the strategy calls at setup (its undo at teardown): since issue 69 every warning of
+:data:`lightning_multids._noise.WHILE_ENGINES_LIVE`, not only torch's deprecations of ZeRO's collectives."""
 
 
 def _nothing() -> None:

@@ -51,6 +51,7 @@ from lightning_multids._blocks import whole
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat.deepspeed import stage0_weights
 from lightning_multids._joined import part_names, split_state
+from lightning_multids._noise import zero_deprecations_hidden
 from lightning_multids._precision import engine_dtype
 
 __all__ = ["consolidated_state_dicts", "export"]
@@ -103,10 +104,12 @@ def save(
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     barrier("multids.save.start")
-    for name, engine in engines.items():
-        engine.save_checkpoint(str(partial / ENGINE_DIR / name), tag=TAG, client_state={})
-    for name, module in weights.items():
-        save_weights(module, partial / ENGINE_DIR / name, is_global_zero=is_global_zero, trained=name not in frozen)
+    with zero_deprecations_hidden():  # ZeRO-3's gathers, in a save after fit (during it, hidden already)
+        for name, engine in engines.items():
+            engine.save_checkpoint(str(partial / ENGINE_DIR / name), tag=TAG, client_state={})
+        for name, module in weights.items():
+            trained = name not in frozen
+            save_weights(module, partial / ENGINE_DIR / name, is_global_zero=is_global_zero, trained=trained)
     if is_global_zero:
         modules = {**{name: engine.module for name, engine in engines.items()}, **weights}
         for name, module in modules.items():
@@ -454,7 +457,7 @@ def gathered_state_dict(module: nn.Module) -> dict[str, Any]:
     if not any(is_zero_param(param) for param in module.parameters()):
         return module.state_dict()
     placed = {key: value.device for key, value in module.state_dict().items()}
-    with whole(module.parameters()):
+    with zero_deprecations_hidden(), whole(module.parameters()):  # after fit, torch would warn of ZeRO's gathers
         return {key: value.detach().to(placed[key], copy=True) for key, value in module.state_dict().items()}
 
 

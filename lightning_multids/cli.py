@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 import lightning_multids  # noqa: F401  (registers the strategy name `multi_deepspeed`)
+from lightning_multids._noise import quiet
 from lightning_multids.checkpoint import (
     EXPORT_FORMATS,
     LIGHTNING_EXPORT,
@@ -65,20 +66,24 @@ EPILOG = (
 class MultiDeepSpeedCLI(LightningCLI):
     """``LightningCLI`` for any LightningModule and LightningDataModule given by class path.
 
+    Upstream lines that tell its user nothing (Lightning's tips, torch's deprecations of what Lightning and
+    DeepSpeed call) are hidden for the whole call (:func:`lightning_multids._noise.quiet`).
+
     The saved ``config.yaml`` of a run is overwritten when the same log directory is used again.
     """
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
-        super().__init__(
-            pl.LightningModule,
-            pl.LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"description": DESCRIPTION, "epilog": EPILOG},
-            args=list(args) if args is not None else None,
-            run=run,
-        )
+        with quiet():  # upstream lines that tell the user nothing, from `Trainer(...)` to the end of the subcommand
+            super().__init__(
+                pl.LightningModule,
+                pl.LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                save_config_kwargs={"overwrite": True},
+                parser_kwargs={"description": DESCRIPTION, "epilog": EPILOG},
+                args=list(args) if args is not None else None,
+                run=run,
+            )
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         """Lightning's Trainer, its progress bar (tqdm's or rich's) as plain lines when the output is not a terminal."""

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.distributed_c10d import _get_default_group
 from torch.distributed.utils import _sync_params_and_buffers
 from torch.optim import optimizer as _optimizer
+from torch.utils import _pytree
 
 queue_callback: Callable[[Callable[[], None]], None] = (
     getattr(torch.autograd.graph, "queue_callback", None) or torch.autograd.Variable._execution_engine.queue_callback
@@ -33,6 +34,14 @@ current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 will_execute: Callable[[Any], bool] = torch._C._will_engine_execute_node
 """Inside a backward: whether it runs the given autograd node (for a parameter's gradient accumulator: whether the
 backward gives the parameter a gradient). Raises RuntimeError under ``torch.autograd.grad``."""
+
+
+def leaf_spec_deprecated() -> bool:
+    """Whether torch marks ``torch.utils._pytree.LeafSpec`` deprecated (PEP 702's ``__deprecated__``; read on 2.13).
+
+    Lightning 2.6 builds one in every ``CombinedLoader``, and each build then warns.
+    """
+    return hasattr(getattr(_pytree, "LeafSpec", None), "__deprecated__")
 
 
 def gradient_accumulator(param: torch.Tensor) -> Any:

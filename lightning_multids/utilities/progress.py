@@ -2,9 +2,10 @@
 
 Lightning's progress bar redraws one line with carriage returns; written to a file or a pipe, which Python
 buffers, it shows nothing for minutes and then a wall of redraws. :class:`LineProgress` prints a whole line
-instead, on rank 0, flushed: the epoch, the step, the progress bar's metrics, every ``every_n_seconds`` and at
-the end of each epoch and validation. ``lightning-multids`` uses it in place of the bar when its output is not a
-terminal; in a script, ``Trainer(callbacks=[LineProgress()])``.
+instead, on rank 0, flushed: the epoch, the step, the progress bar's metrics, every ``every_n_seconds``, at the
+end of each epoch (with the figures of a validation that ended it) and after a validation within an epoch.
+``lightning-multids`` uses it in place of the bar when its output is not a terminal; in a script,
+``Trainer(callbacks=[LineProgress()])``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class LineProgress(ProgressBar):
         self.every_n_seconds = every_n_seconds
         self._enabled = True
         self._last = 0.0
+        self._validated = False  # a validation during fit whose line is not printed yet
 
     def disable(self) -> None:
         """Print nothing (Lightning calls it on every rank but 0, and around its tuners)."""
@@ -39,6 +41,14 @@ class LineProgress(ProgressBar):
         """Start the clock of the epoch's lines."""
         self._last = time.monotonic()
 
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """The line of a validation within the epoch, before the next batch trains (its figures are still shown)."""
+        if self._validated:
+            self._validated = False
+            self._line(trainer, pl_module, "validated")
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -47,13 +57,14 @@ class LineProgress(ProgressBar):
             self._line(trainer, pl_module, f"batch {batch_idx + 1}/{_total(self.total_train_batches)}")
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A line at the end of each training epoch."""
+        """A line at the end of each training epoch: with the figures of a validation that ended it, one line."""
+        self._validated = False
         self._line(trainer, pl_module, "done")
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """A line after each validation during fit (the sanity check has none)."""
+        """After a validation during fit (the sanity check has none): its line is the epoch's, or the next batch's."""
         if not trainer.sanity_checking and trainer.state.fn == "fit":
-            self._line(trainer, pl_module, "validated")
+            self._validated = True
 
     def _line(self, trainer: pl.Trainer, pl_module: pl.LightningModule, where: str) -> None:
         self._last = time.monotonic()

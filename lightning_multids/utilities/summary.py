@@ -20,10 +20,23 @@ class RunSummary(pl.Callback):
     through a ``run_summary`` attribute (a dict of label to text), as the GAN example does for its samples.
     The commands printed run as shown from the current directory: ``lightning-multids`` and
     ``tensorboard`` are named bare when they are on ``PATH``, otherwise by their path in this environment.
+    Where the module logs a spread beside the checkpoint callback's monitored metric, as ``<monitor>_std`` (the
+    GAN example's ``val/kid_std``), the best checkpoint's score is printed with it: ``(12.3 ± 1.1)``.
     """
 
     def __init__(self) -> None:
         self.stages: dict[str, int] = {}
+        self.spreads: dict[float, float] = {}
+        """The spread logged beside each value of the monitored metric, by that value (the best is one of them)."""
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Keep the spread logged beside the monitored metric (``<monitor>_std``), if the module logs one."""
+        callback = trainer.checkpoint_callback
+        if not isinstance(callback, ModelCheckpoint) or not callback.monitor:
+            return
+        value, spread = (trainer.callback_metrics.get(name) for name in (callback.monitor, spread_of(callback.monitor)))
+        if value is not None and spread is not None:
+            self.spreads[float(value)] = float(spread)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Read each engine's ZeRO stage (the engines exist until teardown, which comes before ``on_fit_end``)."""
@@ -43,17 +56,23 @@ class RunSummary(pl.Callback):
         entries.update(getattr(pl_module, "run_summary", {}))
         callback = trainer.checkpoint_callback
         if isinstance(callback, ModelCheckpoint):
-            entries.update(checkpoint_lines(callback))
+            entries.update(checkpoint_lines(callback, self.spreads))
         if trainer.logger is not None and trainer.logger.save_dir:
             entries["See the curves"] = f"{command('tensorboard')} --logdir {trainer.logger.save_dir}"
         width = max(len(label) for label in entries) + 2
         return [f"{label + ':':<{width}}{text}" for label, text in entries.items()]
 
 
-def checkpoint_lines(callback: ModelCheckpoint) -> dict[str, str]:
+def spread_of(monitor: str) -> str:
+    """The name of the spread logged beside the metric ``monitor``: ``val/kid`` -> ``val/kid_std``."""
+    return f"{monitor}_std"
+
+
+def checkpoint_lines(callback: ModelCheckpoint, spreads: dict[float, float] | None = None) -> dict[str, str]:
     """The checkpoint to export, and the command that does: the best by the callback's ``monitor`` if it has one.
 
     With a ``monitor`` and ``save_last``, the last checkpoint (what ``--ckpt_path last`` resumes) is named too.
+    The best score is shown with its spread where ``spreads`` (by value of the monitored metric) has one.
     """
     best = callback.best_model_path if callback.monitor else ""
     last = callback.last_model_path
@@ -63,7 +82,10 @@ def checkpoint_lines(callback: ModelCheckpoint) -> dict[str, str]:
     checkpoint = shown(path)
     entries = {}
     if best and callback.best_model_score is not None:
-        entries[f"Best checkpoint ({callback.monitor})"] = f"{checkpoint} ({float(callback.best_model_score):.4g})"
+        score = float(callback.best_model_score)
+        spread = (spreads or {}).get(score)
+        shown_score = f"{score:.4g}" if spread is None else f"{score:.4g} ± {spread:.2g}"
+        entries[f"Best checkpoint ({callback.monitor})"] = f"{checkpoint} ({shown_score})"
         if last and last != best:
             entries["Last checkpoint"] = shown(last)
     else:

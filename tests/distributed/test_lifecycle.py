@@ -32,12 +32,8 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage
 from torch import nn
 
 from lightning_multids import MultiDeepSpeedStrategy
-from lightning_multids._environment import (
-    EXTENSIONS_VARIABLE,
-    ZERO_COLLECTIVES,
-    ZERO_DEPRECATIONS,
-    default_extensions_dir,
-)
+from lightning_multids._environment import EXTENSIONS_VARIABLE, default_extensions_dir
+from lightning_multids._noise import ZERO_COLLECTIVES, ZERO_DEPRECATIONS
 from tests import patterns
 from tests.distributed.common import cpu_trainer, sharded_loader
 from tests.distributed.harness import on_ranks

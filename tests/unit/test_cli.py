@@ -7,14 +7,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_multids_cli
 from lightning_multids._environment import keep_extensions_in_environment
 from lightning_multids.cli import main, newest_last_checkpoint
-from lightning_multids.utilities.summary import command, shown
+from lightning_multids.utilities.summary import RunSummary, checkpoint_lines, command, shown
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,6 +119,18 @@ def test_run_summary_names_a_command_by_its_path_when_not_on_path(
     (bin_dir / "tensorboard").chmod(0o755)
     assert command("tensorboard") == "tensorboard"
     assert command("not-installed") == "not-installed"
+
+
+def test_run_summary_shows_the_best_score_with_the_spread_logged_beside_it(tmp_path: Path) -> None:
+    """A module that logs ``<monitor>_std`` (the GAN's ``val/kid_std``) gets the best score's spread in the summary."""
+    callback = ModelCheckpoint(dirpath=tmp_path, monitor="val/kid", filename="best")
+    summary = RunSummary()
+    for kid, spread in [(30.0, 4.0), (12.3, 1.1), (20.0, 2.0)]:  # one validation each
+        metrics = {"val/kid": torch.tensor(kid), "val/kid_std": torch.tensor(spread)}
+        summary.on_validation_end(SimpleNamespace(checkpoint_callback=callback, callback_metrics=metrics), None)  # type: ignore[arg-type]
+    callback.best_model_path, callback.best_model_score = str(tmp_path / "best.ckpt"), torch.tensor(12.3)
+    assert checkpoint_lines(callback, summary.spreads)["Best checkpoint (val/kid)"].endswith(" (12.3 ± 1.1)")
+    assert checkpoint_lines(callback)["Best checkpoint (val/kid)"].endswith(" (12.3)")  # no spread logged
 
 
 def test_run_summary_shows_paths_inside_the_current_directory_relative(

@@ -35,9 +35,8 @@ class Tiny(pl.LightningModule):
     val_dataloader = train_dataloader
 
 
-def test_lines_name_the_epoch_the_batch_the_step_and_the_progress_bar_metrics(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def fitted_lines(capsys: pytest.CaptureFixture[str], **trainer_args: object) -> list[str]:
+    """The lines of a 2-epoch fit of :class:`Tiny` (3 batches each), one per batch and more."""
     trainer = pl.Trainer(
         accelerator="cpu",
         max_epochs=2,
@@ -46,13 +45,28 @@ def test_lines_name_the_epoch_the_batch_the_step_and_the_progress_bar_metrics(
         enable_model_summary=False,
         callbacks=[LineProgress(every_n_seconds=0)],
         num_sanity_val_steps=0,
+        **trainer_args,  # type: ignore[arg-type]
     )
     trainer.fit(Tiny())
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+
+
+def test_lines_name_the_epoch_the_batch_the_step_and_the_progress_bar_metrics(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    lines = fitted_lines(capsys)
     assert re.fullmatch(r"epoch 1/2  batch 1/3  step 1  loss [\d.e-]+", lines[0]), lines
-    assert re.fullmatch(r"epoch 1/2  validated  step 3  loss [\d.e-]+  val_loss [\d.e-]+", lines[3]), lines
+    assert re.fullmatch(r"epoch 1/2  done  step 3  loss [\d.e-]+  val_loss [\d.e-]+", lines[3]), lines
     assert re.fullmatch(r"epoch 2/2  done  step 6  loss [\d.e-]+  val_loss [\d.e-]+", lines[-1]), lines
-    assert len(lines) == 2 * (3 + 2)  # a line per batch (every 0 s), one after validation, one at the epoch's end
+    assert len(lines) == 2 * (3 + 1)  # a line per batch (every 0 s), one at the epoch's end with its validation
+
+
+def test_a_validation_within_the_epoch_has_a_line_of_its_own(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = fitted_lines(capsys, val_check_interval=2)  # after the second of three batches
+    assert re.fullmatch(r"epoch 1/2  validated  step 2  loss [\d.e-]+  val_loss [\d.e-]+", lines[2]), lines
+    assert re.fullmatch(r"epoch 1/2  batch 3/3  step 3  .*", lines[3]), lines
+    assert re.fullmatch(r"epoch 1/2  done  step 3  .*", lines[4]), lines
+    assert len(lines) == 2 * (3 + 2)
 
 
 def test_the_command_prints_lines_in_place_of_the_bar_when_its_output_is_not_a_terminal() -> None:
