@@ -20,8 +20,7 @@ From the strategy's process-group start (``setup_distributed``) to its ``teardow
   environments read their own variables instead. The three are set from Lightning's cluster environment
   (:func:`set_launch_variables`, as Lightning's ``DeepSpeedStrategy`` does); teardown puts back what was there.
 - From ``setup``: the upstream warnings that say nothing to the user of the strategy are hidden
-  (:func:`lightning_multids._noise.hide_upstream_warnings`, under the name the strategy imports from here,
-  :func:`hide_zero_deprecations`), and shown again at teardown.
+  (:func:`lightning_multids._noise.hide_upstream_warnings`), and shown again at teardown.
 """
 
 from __future__ import annotations
@@ -33,17 +32,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from lightning_multids._noise import hide_upstream_warnings
-
 EXTENSIONS_VARIABLE = "TORCH_EXTENSIONS_DIR"
 DEEPSPEED_LOGGER = "DeepSpeed"
 ACCELERATOR_GUESS = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
 """DeepSpeed 0.19.8's warning when it finds no GPU (``deepspeed/accelerator/real_accelerator.py``)."""
-
-
-hide_zero_deprecations = hide_upstream_warnings
-"""What the strategy calls at setup (its undo at teardown): since issue 69 every warning of
-:data:`lightning_multids._noise.WHILE_ENGINES_LIVE`, not only torch's deprecations of ZeRO's collectives."""
 
 
 def _nothing() -> None:

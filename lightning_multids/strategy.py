@@ -45,11 +45,7 @@ from lightning_multids._config import load_config, merge, validate_stage, zero3_
 from lightning_multids._discovery import check_engine_names
 from lightning_multids._ema import EmaArgument, average_entries, check_average_names, parse_averages
 from lightning_multids._engines import EngineSet
-from lightning_multids._environment import (
-    hide_zero_deprecations,
-    keep_extensions_in_environment,
-    set_launch_variables,
-)
+from lightning_multids._environment import keep_extensions_in_environment, set_launch_variables
 from lightning_multids._gradients import refuse_engine_clipping
 from lightning_multids._lifecycle import (
     agree_on_failure,
@@ -62,6 +58,7 @@ from lightning_multids._lifecycle import (
     zero3_on_device,
 )
 from lightning_multids._model_summary import count_partitioned
+from lightning_multids._noise import hide_upstream_warnings
 from lightning_multids._planning import check_clip_algorithm, optimizer_class, warn_clipping_overrides
 from lightning_multids._precision import EnginePrecision
 
@@ -191,7 +188,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._loading: _Loading | None = None
         """A checkpoint whose Lightning part was read before setup: setup loads the rest once the engines exist."""
         self._restore_summary: Callable[[], None] = _nothing
-        self._show_zero_deprecations: Callable[[], None] = _nothing
+        self._show_upstream_warnings: Callable[[], None] = _nothing
         self._unguard_gradients: Callable[[], None] = _nothing
         self._unset_extensions_dir: Callable[[], None] = _nothing
         self._unset_launch_variables: Callable[[], None] = _nothing
@@ -294,8 +291,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._unguard_gradients = _nothing
         self._failed = False
         self._buffers_due = True
-        self._show_zero_deprecations()  # a setup after one whose teardown did not run
-        self._show_zero_deprecations = hide_zero_deprecations()
+        self._show_upstream_warnings()  # a setup after one whose teardown did not run
+        self._show_upstream_warnings = hide_upstream_warnings()
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -732,8 +729,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._engine_set = EngineSet()
         self._restore_summary()
         self._restore_summary = _nothing
-        self._show_zero_deprecations()
-        self._show_zero_deprecations = _nothing
+        self._show_upstream_warnings()
+        self._show_upstream_warnings = _nothing
         self._unset_extensions_dir()
         self._unset_extensions_dir = _nothing
         self._unset_launch_variables()

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities._pytree import _tree_flatten
 from lightning_utilities.core import rank_zero
 from torch import nn
 
-from lightning_multids import _environment, checkpoint
+from lightning_multids import checkpoint
 from lightning_multids._compat.torch import leaf_spec_deprecated
 from lightning_multids._noise import (
     ZERO_COLLECTIVES,
@@ -107,12 +107,12 @@ def test_a_filter_that_was_there_already_stays_and_the_filters_are_not_touched(m
 
 
 def test_lightnings_leaf_spec_and_eval_mode_warnings_are_hidden_while_the_strategys_engines_live() -> None:
-    """The strategy's setup calls ``_environment.hide_zero_deprecations`` (its teardown, what it returns)."""
+    """The strategy's setup calls ``hide_upstream_warnings`` (its teardown, what it returns)."""
     with warnings.catch_warnings():
         before_leaf_spec, before_eval_mode = shown(leaf_spec), shown(eval_mode)
         assert any("in eval mode at the start of training" in line for line in before_eval_mode), before_eval_mode
         assert any("LeafSpec" in line for line in before_leaf_spec) == leaf_spec_deprecated(), before_leaf_spec
-        show_again = _environment.hide_zero_deprecations()
+        show_again = hide_upstream_warnings()
         assert shown(leaf_spec) == [] and shown(eval_mode) == []
         show_again()
         assert shown(leaf_spec) == before_leaf_spec and shown(eval_mode) == before_eval_mode
