@@ -35,6 +35,7 @@ from tests.distributed.common import AtFitEnd, cpu_trainer, sharded_loader
 from tests.distributed.harness import on_ranks
 
 ALL_PARTITIONED = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+QUIET = {"use_distributed_sampler": False, "enable_checkpointing": False}
 
 
 def codebook_scale(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
@@ -144,12 +145,12 @@ def difference_from_ddp(case: str) -> float | str:
     """The largest difference of the ZeRO-3 fit's weights from DDP's, or the ZeRO-3 fit's error as a string."""
     make = WithDPO if case == "dpo" else Quantized
     ddp = make(case)
-    cpu_trainer(DDPStrategy(process_group_backend="gloo"), use_distributed_sampler=False).fit(ddp)
+    cpu_trainer(DDPStrategy(process_group_backend="gloo"), **QUIET).fit(ddp)
     expected = {key: value.detach().clone() for key, value in ddp.state_dict().items()}
     at_end = AtFitEnd(lambda strategy: strategy.consolidated_state_dict())
     strategy = MultiDeepSpeedStrategy(stage=3, config=ALL_PARTITIONED)
     try:
-        cpu_trainer(strategy, use_distributed_sampler=False, callbacks=[at_end]).fit(make(case))
+        cpu_trainer(strategy, callbacks=[at_end], **QUIET).fit(make(case))
     except Exception as error:  # noqa: BLE001 (the test shows it)
         return f"{type(error).__name__}: {error}"
     return max((at_end.value[key] - value).abs().max().item() for key, value in expected.items())
