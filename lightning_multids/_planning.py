@@ -297,25 +297,33 @@ def _check_not_compiled_at_zero3(name: str, submodule: nn.Module, config: Mappin
 
 
 def _check_parameters_take_recurse(name: str, submodule: nn.Module, config: Mapping[str, Any]) -> None:
-    """Refuse at ZeRO-3 a module that overrides ``parameters()`` without ``recurse`` (x-transformers' ``DPO``).
+    """Refuse at ZeRO-3 a module whose ``parameters()`` override lacks ``recurse`` or leaves parameters out.
 
-    DeepSpeed's ZeRO-3 calls ``module.parameters(recurse=...)`` on the engine's submodules as it partitions them,
-    and stops with Python's ``TypeError`` inside DeepSpeed on such an override.
+    DeepSpeed's ZeRO-3 calls ``module.parameters(recurse=...)`` on the engine's submodules as it partitions them: on
+    an override without the argument (x-transformers' ``DPO``) it stops with Python's ``TypeError``, and where the
+    override returns only some parameters (a policy's beside its reference) the others stay unpartitioned and it
+    stops with an ``AttributeError`` inside DeepSpeed. Modules that keep torch's own method are not looked at.
     """
     if zero_stage(config) != 3:
         return
     for path, child in submodule.named_modules():
+        if type(child).parameters is nn.Module.parameters:
+            continue
         try:
             inspect.signature(child.parameters).bind(recurse=True)
+            complete = set(child.parameters(recurse=True)) >= {param for _, param in child.named_parameters()}
         except TypeError:
+            complete = False
+        if not complete:
             where = f"`{name}.{path}`" if path else f"{name!r}"
             raise ValueError(
                 f"The submodule {where} ({type(child).__module__}.{type(child).__qualname__}) overrides "
-                f"`parameters()` without its `recurse` argument, and engine {name!r} runs ZeRO-3, which calls "
-                f"`module.parameters(recurse=...)` on every submodule as it partitions the weights. Give {name!r} "
-                f"ZeRO-0/1/2, e.g. `engine_configs={{{name!r}: {{'zero_optimization': {{'stage': 2}}}}}}`, or let "
-                "the override take `recurse: bool = True`."
-            ) from None
+                f"`parameters()` so that it does not take `recurse` or does not return all of its parameters, and "
+                f"engine {name!r} runs ZeRO-3, which partitions what `module.parameters(recurse=...)` returns on "
+                f"every submodule. Give {name!r} ZeRO-0/1/2, e.g. `engine_configs={{{name!r}: "
+                "{'zero_optimization': {'stage': 2}}}` (an override that returns only some parameters, such as a "
+                "policy's beside its reference, cannot run at ZeRO-3)."
+            )
 
 
 def _check_has_parameters(name: str, submodule: nn.Module) -> None:

@@ -1154,6 +1154,8 @@ def discover_external_parameters(engine: DeepSpeedEngine, refuse: Callable[[str,
         depth[0] += 1
 
     def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if depth[0] == 0:  # a pre-hook put before `enter` raised: `enter` did not run for this call
+            return
         depth[0] -= 1
         if depth[0] == 0:
             mark(False)
@@ -1162,7 +1164,8 @@ def discover_external_parameters(engine: DeepSpeedEngine, refuse: Callable[[str,
         for parameters, original in originals:
             parameters.__class__ = original
 
-    handles = [module.register_forward_pre_hook(enter) for module in modules]
+    # First of the pre-hooks (DeepSpeed's gather, torch's `weight_norm`, the user's): those read weights too.
+    handles = [module.register_forward_pre_hook(enter, prepend=True) for module in modules]
     handles += [module.register_forward_hook(leave, always_call=True) for module in modules]
     return [*handles, _Undo(restore)]
 
@@ -1191,7 +1194,7 @@ def _checked_parameters(
             and getattr(param, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
         ):
             caller = _caller(sys._getframe(1))
-            if not _only_requires_grad(caller):
+            if not _answered_alike(caller):
                 prefix = named.get(parameters._parent_module, "")
                 refuse(f"{prefix}.{key}" if prefix else key, _reader(caller))
         return param
@@ -1201,8 +1204,10 @@ def _checked_parameters(
 
 
 def _caller(frame: Any) -> Any:
-    """The frame of the code that read a parameter attribute: past ``Module.__getattr__``."""
-    return frame.f_back if frame is not None and frame.f_code.co_name == "__getattr__" else frame
+    """The frame of the code that read a parameter attribute: past ``Module.__getattr__`` (and a subclass's)."""
+    while frame is not None and frame.f_code.co_name == "__getattr__":
+        frame = frame.f_back
+    return frame
 
 
 def _reader(frame: Any) -> str:
@@ -1213,17 +1218,27 @@ def _reader(frame: Any) -> str:
     return f"{reader}.{frame.f_code.co_name}" if "reset_parameters" in frame.f_code.co_name else reader
 
 
-def _only_requires_grad(frame: Any) -> bool:
-    """Whether ``frame``'s next instruction reads or sets ``requires_grad`` of the attribute just read.
+_ANSWERED = ("requires_grad", "requires_grad_", "dtype", "device", "is_leaf", "ds_shape", "ds_numel", "ds_id")
+"""What a partition answers as the whole weight would: read (or, for ``requires_grad``, set) on it, it passes."""
 
-    Freezing or unfreezing (``self.net.fc.weight.requires_grad_(False)``) a partition answers as the whole weight
-    would. Reads CPython's bytecode (``dis``), only where the strategy is about to refuse.
+
+def _answered_alike(frame: Any) -> bool:
+    """Whether ``frame`` read the parameter for what its partition answers as the whole weight would.
+
+    That is: a metadata read or a ``requires_grad`` flip right after it (``fc.weight.dtype``,
+    ``fc.weight.requires_grad_(False)``), or a read by a call rather than an attribute of the code
+    (``hasattr(fc, "weight")``, ``getattr(fc, "bias", None)``). Reads CPython's bytecode (``dis``), only where the
+    strategy is about to refuse.
     """
     if frame is None:
         return False
-    after = next((i for i in dis.get_instructions(frame.f_code) if i.offset > frame.f_lasti), None)
+    instructions = list(dis.get_instructions(frame.f_code))
+    now = next((i for i in instructions if i.offset == frame.f_lasti), None)
+    if now is None or now.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
+        return True
+    after = next((i for i in instructions if i.offset > frame.f_lasti), None)
     touched = ("LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR")
-    return after is not None and after.opname in touched and after.argval in ("requires_grad", "requires_grad_")
+    return after is not None and after.opname in touched and after.argval in _ANSWERED
 
 
 def suspend_zero3_hooks(engine: DeepSpeedEngine) -> Callable[[], None]:

@@ -649,8 +649,9 @@ EXPECTED = {
     "ema_of_a_part": r"EMA engine 'average' averages 'discriminator', which one optimizer trains with 'generator' "
     r"as the engine 'generator'.*Give the source its own optimizer",
     "parameters_without_recurse_zero3": r"^The submodule 'discriminator' "
-    r"\(tests\.distributed\.test_errors\.PolicyOnly\) overrides `parameters\(\)` without its `recurse` argument, "
-    r"and engine 'discriminator' runs ZeRO-3.*Give 'discriminator' ZeRO-0/1/2",
+    r"\(tests\.distributed\.test_errors\.PolicyOnly\) overrides `parameters\(\)` so that it does not take "
+    r"`recurse` or does not return all of its parameters, and engine 'discriminator' runs ZeRO-3.*Give "
+    r"'discriminator' ZeRO-0/1/2",
     **{
         f"plain_backward_zero{stage}": r"backward outside `self.manual_backward` reached the parameters of engine "
         r"'discriminator'.*replace the call with `self.manual_backward\(loss\)`"

@@ -1,22 +1,19 @@
-"""ZeRO-3 weight reads the strategy's forward flag and attribute-read refusal get wrong (known defects, strict xfail).
+"""ZeRO-3 weight reads around the strategy's forward flag and attribute-read refusal, each as under DDP.
 
 Each case trains 2 steps of SGD on 2 ranks under ``DDPStrategy`` and under the strategy at ZeRO-3 with every weight
 partitioned, in manual optimization, calling the net's parts directly (as ``tests/distributed/test_external.py``).
 A rank returns the largest difference from DDP's weights, or the error the strategy's fit raised as a string, so a
 failure shows the error.
 
-- A forward pre-hook registered before the fit (the user's, torch's ``weight_norm``) runs before the strategy's
-  own pre-hook that sets DeepSpeed's forward flag, so on an outermost call (a part called by ``training_step``) its
-  read of a weight is refused as "outside every forward"; DeepSpeed's engine forward sets the flag before every hook.
-- A forward pre-hook that raises before the strategy's pre-hook runs (an OOM in DeepSpeed's gather, an input check
-  the user catches) still runs the strategy's ``always_call`` post-hook: the depth counter goes to -1 and stays
-  there, and every later read of a weight outside its owner's forward is refused for the rest of the fit.
+Each was a defect an adversarial review found (the first three in the strategy's first version of the flag):
+- A forward pre-hook registered before the fit (the user's, torch's ``weight_norm``) reads a weight on an
+  outermost call (a part called by ``training_step``): the flag's pre-hook now runs first.
+- A forward pre-hook that raises before the strategy's (an input check the user catches) left the depth counter at
+  -1 and every later such read refused for the rest of the fit.
 - A read of a partitioned weight's metadata (``x.to(fc.weight.dtype)``) or ``hasattr(fc, "bias")`` outside every
-  forward is refused (``hasattr`` raises ``RuntimeError`` instead of answering), where the partition answers as the
-  whole weight would.
-- The refusal of a ``parameters()`` override without ``recurse`` says to let the override take ``recurse``; a
-  DPO-style override that does (``return self.policy.parameters(recurse)``, leaving the frozen reference out) then
-  stops inside DeepSpeed with ``AttributeError: 'Parameter' object has no attribute 'ds_numel'``.
+  forward was refused (``hasattr`` raised ``RuntimeError``); the partition answers as the whole weight would.
+- A DPO-style ``parameters(recurse)`` override that leaves the frozen reference out stopped inside DeepSpeed with
+  ``AttributeError: 'Parameter' object has no attribute 'ds_numel'``; it is refused at setup, naming ZeRO-0/1/2.
 """
 
 from __future__ import annotations
@@ -156,38 +153,18 @@ def difference_from_ddp(case: str) -> float | str:
     return max((at_end.value[key] - value).abs().max().item() for key, value in expected.items())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: the strategy's forward pre-hook that sets DeepSpeed's forward flag is registered after the "
-    "user's and torch's pre-hooks, so a pre-hook's read of a weight on an outermost call is refused",
-)
 def test_a_forward_pre_hook_reading_a_weight_matches_ddp() -> None:
     assert on_ranks(difference_from_ddp, "pre_hook_read")[0] == 0.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: a forward pre-hook raising before the strategy's leaves its depth counter at -1; every later "
-    "read of a weight outside its owner's forward is refused for the rest of the fit",
-)
 def test_an_exception_in_a_forward_pre_hook_leaves_later_forwards_as_ddp() -> None:
     assert on_ranks(difference_from_ddp, "pre_hook_raises")[0] == 0.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: a read of a partitioned weight's dtype, or hasattr(), outside every forward is refused "
-    "(hasattr raises RuntimeError)",
-)
 def test_a_weights_dtype_and_hasattr_outside_forward_are_answered() -> None:
     assert on_ranks(difference_from_ddp, "metadata")[0] == 0.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: the remedy the refusal of parameters() without recurse names (take recurse) stops inside "
-    "DeepSpeed with AttributeError 'ds_numel' where the override leaves submodules out (DPO's reference)",
-)
 def test_the_parameters_override_remedy_trains_or_is_refused_by_the_strategy() -> None:
     found = on_ranks(difference_from_ddp, "dpo")[0]
     assert found == 0.0 or (isinstance(found, str) and found.startswith("ValueError") and "'dpo'" in found), found
