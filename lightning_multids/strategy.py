@@ -102,11 +102,12 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             separate from ``timeout``, so raise it too where ranks reach a block further apart. ``None`` turns the
             check off (a gloo group, made at the first such block of a fit on several ranks, and one small all-gather
             per block).
-        broadcast_buffers: broadcast rank 0's buffers (BatchNorm's running statistics) to every rank at the start of
-            a ``training_step`` where ``DDPStrategy(broadcast_buffers=True)``, its default, does: each step (each
-            accumulation window's first) in automatic optimization; in manual optimization the fit's first step
-            only (Lightning leaves DDP's next forward unsynced after each manual ``training_step``). One coalesced
-            broadcast where the module has buffers. As under DDP, which looks for buffers when
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm's running statistics) to every rank before a
+            ``training_step`` or ``validation_step`` during fit where ``DDPStrategy(broadcast_buffers=True)``, its
+            default, does: before the sanity check; each step in automatic optimization but those after an
+            accumulating batch or a validation, and a validation after steps; in manual optimization the fit's
+            first step only (Lightning leaves DDP's next forward unsynced after each manual ``training_step``). One
+            coalesced broadcast where the module has buffers. As under DDP, which looks for buffers when
             it wraps the module, a module with none at the strategy's setup (after ``configure_model``; buffers
             named in ``_ddp_params_and_buffers_to_ignore`` do not count) has none broadcast in that fit; where it has
             some, buffers added or replaced later are broadcast too. ``False`` lets each rank keep its own.
@@ -514,18 +515,40 @@ class MultiDeepSpeedStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``training_step`` from rank 0's buffers (``broadcast_buffers``); refuse a module that can never train."""
-        module = self.lightning_module
-        if module is not None and self.broadcast_buffers and self._buffers_to_sync and torch.is_grad_enabled():
-            # As DDPStrategy: in automatic optimization DDP's forwards under `no_sync` (accumulating batches) leave
-            # the next forward unsynced, so the first batch of each accumulation window; in manual optimization
-            # Lightning turns DDP's gradient sync off after the forward that runs `training_step`
-            # (`_DDPForwardRedirection`), so DDP syncs before the fit's first step only.
-            if self._buffers_due:
-                torch_compat.broadcast_buffers(module)
-            self._buffers_due = module.automatic_optimization and not should_accumulate(module.trainer)
+        self._sync_buffers_where_ddp_does(training=True)
         output = super().training_step(*args, **kwargs)
         self._engine_set.check_loss_was_used(output)
         return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``validation_step`` during fit from rank 0's buffers where DDP would (``broadcast_buffers``)."""
+        self._sync_buffers_where_ddp_does(training=False)
+        return super().validation_step(*args, **kwargs)
+
+    def _sync_buffers_where_ddp_does(self, training: bool) -> None:
+        """Broadcast rank 0's buffers before a step's forward where ``DDPStrategy`` would, and mark the next one.
+
+        During fit Lightning runs ``training_step`` and ``validation_step`` through DDP's forward, which broadcasts
+        the buffers where the forward before it (or none yet, in this fit) ran with gradients and DDP's gradient sync
+        on: so before the sanity check; in automatic optimization, before each step but those after an
+        accumulating batch (under ``no_sync``) or a validation; in manual optimization, before the fit's first step
+        only, since Lightning turns DDP's gradient sync off after each manual ``training_step``
+        (``_DDPForwardRedirection``). ``validate`` outside fit does not run through DDP's forward.
+        """
+        module = self.lightning_module
+        if module is None or not (self.broadcast_buffers and self._buffers_to_sync):
+            return
+        if not training and module.trainer.state.fn != TrainerFn.FITTING:
+            return
+        if self._buffers_due:
+            torch_compat.broadcast_buffers(module)
+        self._buffers_due = (
+            training
+            and torch.is_grad_enabled()
+            and module.automatic_optimization
+            and not should_accumulate(module.trainer)
+        )
 
     @override
     def on_validation_start(self) -> None:

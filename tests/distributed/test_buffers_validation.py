@@ -1,10 +1,11 @@
-"""Buffers in validation during a fit: DDPStrategy syncs rank 0's before its validation forwards too (known defect).
+"""Buffers in validation during a fit: rank 0's before the validation forwards where DDPStrategy syncs them.
 
 DDP broadcasts buffers in the pre-forward of any forward it marked as due, and marks one due after every forward
 with gradients enabled (``require_forward_param_sync``); Lightning's ``validation_step`` during a fit runs through
 DDP's forward. So the sanity check validates from rank 0's buffers, and in automatic optimization a validation after
-training steps does too (the next training step then skips the sync). The strategy broadcasts at ``training_step``
-only, so rank 1 validates from its own BatchNorm statistics, and the logged validation loss differs from DDP's.
+training steps does too (the next training step then skips the sync). The strategy broadcast at ``training_step``
+only (an adversarial review found it), so rank 1 validated from its own BatchNorm statistics, and the logged
+validation loss differed from DDP's.
 
 Rank r's ``running_mean`` starts filled with r, so which rank's statistics a step sees is plain; rank 1 records
 ``running_mean[0]`` at every ``training_step`` and at the first batch of every validation, under both strategies.
@@ -15,7 +16,6 @@ from __future__ import annotations
 import os
 
 import lightning.pytorch as pl
-import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
@@ -73,11 +73,5 @@ def seen_under(strategy: str) -> Seen:
     return module.seen
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: DDPStrategy broadcasts rank 0's buffers before the sanity check and before a validation that "
-    "follows training steps (automatic optimization); the strategy only at training_step, so rank 1 validates from "
-    "its own BatchNorm statistics and the logged val_loss differs from DDP's",
-)
 def test_validation_sees_the_buffers_ddp_validates_from() -> None:
     assert on_ranks(seen_under, "multids")[1] == on_ranks(seen_under, "ddp")[1]
