@@ -218,7 +218,7 @@ REALCODE_BENCH_CASES := transformers_distillation x_transformers_belief_state ve
 	pytorch_metric_learning
 bench-realcode: $(STAMP)
 	for case in $(REALCODE_BENCH_CASES); do \
-		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/realcode.py --case $$case --rounds 7 --steps 20; done
+		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/realcode.py --case $$case --rounds 7 --steps 20 || exit 1; done
 
 bench-gradcache: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 2
