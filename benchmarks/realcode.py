@@ -385,6 +385,14 @@ def profile_build(case: str, case_module: types.ModuleType, args: argparse.Names
     stats = pstats.Stats(profile, stream=text).sort_stats("cumulative")
     stats.print_stats("lightning_multids", 40)
     print(text.getvalue(), flush=True)
+    cumulative = {f"{path}:{name}": row[3] for (path, _, name), row in stats.stats.items()}  # type: ignore[attr-defined]
+    window = max(cumulative.values())
+    initialize = sum(seconds for key, seconds in cumulative.items() if key.endswith("deepspeed/__init__.py:initialize"))
+    print(
+        f"build window {1e3 * window:.0f} ms: deepspeed.initialize {1e3 * initialize:.0f} ms, "
+        f"the rest (the strategy's own, Lightning's barrier and hooks) {1e3 * (window - initialize):.0f} ms",
+        flush=True,
+    )
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
