@@ -305,6 +305,8 @@ def _check_parameters_take_recurse(name: str, submodule: nn.Module, config: Mapp
     if zero_stage(config) != 3:
         return
     for path, child in submodule.named_modules():
+        if getattr(child.parameters, "__func__", None) is nn.Module.parameters:  # torch's own: it takes recurse
+            continue
         try:
             inspect.signature(child.parameters).bind(recurse=True)
         except TypeError:
