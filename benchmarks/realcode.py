@@ -21,6 +21,9 @@ them, at the suite's tiny widths), its data made ``--warmup + --steps`` optimize
   discriminator scores real and generated images in one forward there). The metric-learning case has none: its
   one loss backpropagates into two trained engines, which ``engine.backward`` of one of them leaves the other's
   reduction unfinished for (the strategy routes it: ``lightning_multids/_routing.py``).
+* ``zero2-as-loop``, ``zero3-as-loop``, where the loop does less work than the case's step (the VQ-GAN's): the
+  case's module with the loop's step, under the strategy. The strategy's share is taken against these (the same
+  work), and what the case's own pattern costs (strategy as written minus as-loop) is named apart.
 
 Measured on rank 0, per fit:
 
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -140,6 +144,10 @@ class Raw:
     config: Callable[[types.ModuleType], dict[str, Any]] = lambda case: {}
     """Settings of the loop's own (every engine's config, over the strategy's): what DeepSpeed is told to do that
     the case does in its step under Lightning."""
+    as_loop: Callable[[types.ModuleType], pl.LightningModule] | None = None
+    """Where the loop does less work than the case's step (raw DeepSpeed cannot do it all): the case's module with
+    the loop's step, fitted under the strategy too (sides ``zeroN-as-loop``), so that the strategy's share compares
+    the same work and the case's own pattern is named apart."""
 
 
 def distillation_step(case: types.ModuleType, engines: dict[str, Any], input_ids: torch.Tensor) -> None:
@@ -192,10 +200,33 @@ def belief_state_config(case: types.ModuleType) -> dict[str, Any]:
     }
 
 
+def vqgan_as_loop(case: types.ModuleType) -> pl.LightningModule:
+    """The case's VQ-GAN with :func:`vqgan_step`'s work: the discriminator frozen in the autoencoder's loss, one
+    discriminator forward for its own loss."""
+
+    class AsLoop(case.VQGAN):  # type: ignore[name-defined,misc]
+        def training_step(self, x: torch.Tensor, batch_idx: int) -> None:
+            opt_ae, opt_d = self.optimizers()
+            out, _, commit_loss = self.autoencoder(x)
+            out = out.clamp(-1.0, 1.0)
+            self.discriminator.requires_grad_(False)
+            loss = (out - x).abs().mean() + case.ALPHA * commit_loss - self.discriminator(out).mean()
+            opt_ae.zero_grad()
+            self.manual_backward(loss)
+            opt_ae.step()
+            self.discriminator.requires_grad_(True)
+            real, fake = self.discriminator(torch.cat([x, out.detach()])).split(len(x))
+            opt_d.zero_grad()
+            self.manual_backward(F.relu(1 - real).mean() + F.relu(1 + fake).mean())
+            opt_d.step()
+
+    return AsLoop()
+
+
 RAW: dict[str, Raw] = {
     "transformers_distillation": Raw(frozen=("teacher",), step=distillation_step),
     "x_transformers_belief_state": Raw(frozen=(), step=belief_state_step, config=belief_state_config),
-    "vector_quantize_pytorch": Raw(frozen=(), step=vqgan_step),
+    "vector_quantize_pytorch": Raw(frozen=(), step=vqgan_step, as_loop=vqgan_as_loop),
 }
 
 
@@ -274,13 +305,21 @@ CASES = (
 def sides(case: str, mixed: bool) -> list[str]:
     """The sides of ``case``'s launch: DDP, the strategy at ZeRO-2 and -3 (and mixed), the hand-written loops."""
     names = ["ddp", "zero2", "zero3", *(["mixed"] if mixed else [])]
-    return names + (["ds-zero2", "ds-zero3"] if case in RAW else [])
+    if case in RAW:
+        names += ["ds-zero2", "ds-zero3"]
+        names += ["zero2-as-loop", "zero3-as-loop"] if RAW[case].as_loop is not None else []
+    return names
 
 
 def fit_side(case: str, case_module: types.ModuleType, side: str, warmup: int) -> Fit:
     per_step = BATCHES_PER_STEP.get(case, 1)
     if side.startswith("ds-"):
         return fit_raw(case_module, RAW[case], int(side.removeprefix("ds-zero")), warmup, per_step)
+    if side.endswith("-as-loop"):
+        as_loop = RAW[case].as_loop
+        assert as_loop is not None
+        same_work = dataclasses.replace(case_module.CASE, build=lambda: as_loop(case_module))
+        return fit_lightning(same_work, side.removesuffix("-as-loop"), warmup, per_step)
     return fit_lightning(case_module.CASE, side, warmup, per_step)
 
 
@@ -315,11 +354,13 @@ def summarize(fits: Mapping[str, list[Fit]]) -> dict[str, Any]:
             "first_over_ddp": per_round(setup, "ddp", "first", ratio),
             "build_over_ddp": per_round(setup, "ddp", "build", ratio),
         }
-        raw = f"ds-{setup}"
+        raw, same_work = f"ds-{setup}", f"{setup}-as-loop" if f"{setup}-as-loop" in fits else setup
+        if same_work != setup:  # the case's pattern that raw DeepSpeed cannot run, apart from the strategy's share
+            row["pattern_step_s"] = per_round(setup, same_work, "steps", minus)
         if raw in fits:
             row |= {
-                "strategy_share_build_s": per_round(setup, raw, "build", minus),
-                "strategy_share_step_s": per_round(setup, raw, "steps", minus),
+                "strategy_share_build_s": per_round(same_work, raw, "build", minus),
+                "strategy_share_step_s": per_round(same_work, raw, "steps", minus),
                 "deepspeed_build_s": per_round(raw, "ddp", "build", minus),
                 "deepspeed_step_s": per_round(raw, "ddp", "steps", minus),
                 "step_over_ds": per_round(setup, raw, "steps", ratio),
@@ -345,7 +386,9 @@ def report(case: str, summary: dict[str, Any], args: argparse.Namespace) -> None
 
     Columns: build ms (DDP / DeepSpeed loop / strategy), first step ms (DDP / strategy), step ms (the three), the
     ratios strategy/DDP of the first step and of the step, then the strategy's share and DeepSpeed's own cost of
-    the build (ms) and of the step (ms), each a median (range) of per-round differences.
+    the build (ms) and of the step (ms), each a median (range) of per-round differences; where the loop does less
+    work than the case (``as_loop``), the share is taken against the case's module with the loop's step, and the
+    step time that the case's own pattern adds is shown beside it.
     """
     sides_ = summary["sides"]
     for setup, row in summary["setups"].items():
@@ -360,8 +403,10 @@ def report(case: str, summary: dict[str, Any], args: argparse.Namespace) -> None
             cell(row["step_over_ddp"], 1, 2),
         ]
         if "strategy_share_build_s" in row:
+            pattern = row.get("pattern_step_s")
+            beside = f" (the case's own pattern: {cell(pattern, 1e3, 1)})" if pattern else ""
             cells += [
-                f"{cell(row['strategy_share_build_s'])}; {cell(row['strategy_share_step_s'], 1e3, 1)}",
+                f"{cell(row['strategy_share_build_s'])}; {cell(row['strategy_share_step_s'], 1e3, 1)}{beside}",
                 f"{cell(row['deepspeed_build_s'])}; {cell(row['deepspeed_step_s'], 1e3, 1)}",
             ]
         else:
