@@ -213,12 +213,12 @@ bench-launch: $(STAMP)
 
 # The real-code suite's cases (tests/realcode) under DDPStrategy, the strategy at ZeRO-2 and -3 and, for three of
 # them, a hand-written DeepSpeed loop: engine build, time to the first step and step time (one launch per case).
-# Not part of `bench`: about 8 minutes on 2 CPU cores.
+# Not part of `bench`: about 9 minutes on 2 CPU cores.
 REALCODE_BENCH_CASES := transformers_distillation x_transformers_belief_state vector_quantize_pytorch \
 	pytorch_metric_learning
 bench-realcode: $(STAMP)
 	for case in $(REALCODE_BENCH_CASES); do \
-		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/realcode.py --case $$case --rounds 7 --steps 20 || exit 1; done
+		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/realcode.py --case $$case --rounds 11 --steps 20 || exit 1; done
 
 bench-gradcache: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 2
