@@ -41,8 +41,8 @@ rounds, each fitting every side once, in turn order reversed every other round, 
 every side alike. Reported per setup: each side's median build, first-step and step time with their range over
 the rounds, the median (min-max) of per-round ratios strategy/DDP, and the strategy's own share (strategy minus
 hand-written DeepSpeed) beside DeepSpeed's own cost (hand-written DeepSpeed minus DDP), as medians of per-round
-differences. ``--profile PATH`` also profiles (cProfile) one ZeRO-3 fit's build window on rank 0 and prints the
-strategy's own functions by cumulative time.
+differences. ``--profile PATH`` profiles (cProfile) one ZeRO-3 fit's build window (``--profile-window steps``: its
+timed steps) on rank 0 instead, and prints the strategy's own functions by cumulative time.
 
 At these widths (thousands of parameters) a step is a few milliseconds of compute: the figures are Python's and
 DeepSpeed's fixed costs per engine and per step, not what a model of real size spends.
@@ -85,36 +85,52 @@ Fit = dict[str, Any]
 
 
 class Clock(StepMeter):
-    """:class:`common.StepMeter`, plus the build window and the first step's start, and the suite's reseeding."""
+    """:class:`common.StepMeter`, plus the build window and the first step's start, and the suite's reseeding.
 
-    def __init__(self, warmup: int, profile: cProfile.Profile | None = None) -> None:
+    With ``profile``, the profiler runs over the build window (``window="build"``) or the timed steps (``"steps"``).
+    """
+
+    def __init__(self, warmup: int, profile: cProfile.Profile | None = None, window: str = "build") -> None:
         super().__init__(warmup)
-        self.profile = profile
+        self.profile, self.window = profile, window
         self.marks: dict[str, float] = {}
 
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, stage: str) -> None:
         self.marks["setup"] = time.perf_counter()
-        if self.profile is not None:
+        if self.profile is not None and self.window == "build":
             self.profile.enable()
 
     def on_fit_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
-        if self.profile is not None:
+        if self.profile is not None and self.window == "build":
             self.profile.disable()
         self.marks["built"] = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if self.profile is not None and self.window == "steps":
+            self.profile.disable()
 
     def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         torch.manual_seed(SEED + 1 + trainer.global_rank)  # as the suite's harness: noise alike on every side
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
         self.marks.setdefault("first", time.perf_counter())
+        if self.profile is not None and self.window == "steps" and self._batches == self.warmup:
+            self.profile.enable()
         super().on_train_batch_start(trainer, module, *args)
 
 
-def fit_lightning(case: Case, setup: str, warmup: int, per_step: int, profile: cProfile.Profile | None = None) -> Fit:
+def fit_lightning(
+    case: Case,
+    setup: str,
+    warmup: int,
+    per_step: int,
+    profile: cProfile.Profile | None = None,
+    window: str = "build",
+) -> Fit:
     """Fit a new module of ``case`` under ``setup``'s strategy (``ddp``, ``zeroN``, ``mixed``), as the suite does."""
     torch.manual_seed(SEED)
     module = case.build()
-    clock = Clock(warmup * per_step, profile)
+    clock = Clock(warmup * per_step, profile, window)
     trainer = cpu_trainer(
         strategy_for(case, setup), callbacks=[clock], use_distributed_sampler=False, enable_checkpointing=False
     )
@@ -417,12 +433,17 @@ def report(case: str, summary: dict[str, Any], args: argparse.Namespace) -> None
     out.write_text(json.dumps({"args": vars(args), **summary}, indent=2))
 
 
-def profile_build(case: str, case_module: types.ModuleType, args: argparse.Namespace) -> None:
-    """cProfile one ZeRO-3 fit's build window (``setup`` to ``on_fit_start``) on rank 0; print the strategy's own
-    functions by cumulative time and save the profile to ``args.profile``."""
+def profile_fit(case: str, case_module: types.ModuleType, args: argparse.Namespace) -> None:
+    """cProfile one ZeRO-3 fit on rank 0, over its build window (``setup`` to ``on_fit_start``) or its timed steps
+    (``--profile-window``; the steps of the case's module with the loop's step where it has one, ``as_loop``); print
+    the strategy's own functions by cumulative time and save the profile to ``args.profile``."""
     rank = torch.distributed.get_rank()
     profile = cProfile.Profile() if rank == 0 else None
-    fit_lightning(case_module.CASE, "zero3", args.warmup, BATCHES_PER_STEP.get(case, 1), profile)
+    per_step, built = BATCHES_PER_STEP.get(case, 1), case_module.CASE
+    as_loop = RAW[case].as_loop if case in RAW else None
+    if args.profile_window == "steps" and as_loop is not None:
+        built = dataclasses.replace(built, build=lambda: as_loop(case_module))
+    fit_lightning(built, "zero3", args.warmup, per_step, profile, args.profile_window)
     if profile is None:
         return
     profile.dump_stats(args.profile)
@@ -430,7 +451,23 @@ def profile_build(case: str, case_module: types.ModuleType, args: argparse.Names
     stats = pstats.Stats(profile, stream=text).sort_stats("cumulative")
     stats.print_stats("lightning_multids", 40)
     print(text.getvalue(), flush=True)
-    cumulative = {f"{path}:{name}": row[3] for (path, _, name), row in stats.stats.items()}  # type: ignore[attr-defined]
+    rows = {f"{path}:{name}": row for (path, _, name), row in stats.stats.items()}  # type: ignore[attr-defined]
+    if args.profile_window == "steps":
+        own = sum(row[2] for key, row in rows.items() if "lightning_multids" in key)
+        agreeing = sum(
+            row[3]
+            for key, row in rows.items()
+            if key.endswith(("_routing.py:agree", "_routing.py:refuse_uneven_zero3"))
+        )
+        steps = args.steps
+        print(
+            f"{steps} steps, per step: {1e3 * stats.total_tt / steps:.1f} ms profiled; the own time of the strategy's "  # type: ignore[attr-defined]
+            f"functions {1e3 * own / steps:.1f} ms; the reach agreement's all-reduces (find_unused_parameters), "
+            f"waits for the other rank included, {1e3 * agreeing / steps:.1f} ms",
+            flush=True,
+        )
+        return
+    cumulative = {key: row[3] for key, row in rows.items()}
     window = stats.total_tt  # type: ignore[attr-defined]
     setup = max(seconds for key, seconds in cumulative.items() if key.endswith("lightning_multids/strategy.py:setup"))
     initialize = sum(seconds for key, seconds in cumulative.items() if key.endswith("deepspeed/__init__.py:initialize"))
@@ -449,7 +486,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per fit")
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps per fit before the timed ones")
     parser.add_argument("--mixed", action="store_true", help="also the case's mixed setup, where it has one")
-    parser.add_argument("--profile", help="cProfile one ZeRO-3 fit's build on rank 0 into this file, then stop")
+    parser.add_argument("--profile", help="cProfile one ZeRO-3 fit on rank 0 into this file, then stop")
+    parser.add_argument("--profile-window", choices=["build", "steps"], default="build", help="what --profile covers")
     parser.add_argument("--out", default="outputs/bench/realcode")
     return parser.parse_args(argv)
 
@@ -464,7 +502,7 @@ def main() -> None:
         fit_side(args.case, case_module, side, args.warmup)
         release_memory()
     if args.profile:
-        profile_build(args.case, case_module, args)
+        profile_fit(args.case, case_module, args)
         return
     fits: dict[str, list[Fit]] = {side: [] for side in names}
     for round_ in range(args.rounds):
