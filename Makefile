@@ -35,7 +35,7 @@ LANE_TARGETS ?= pytest
 # `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
 # `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
 unexport VENV PYTHON TORCH_SPEC WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
-.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels gpu-wheels-proof pytest fuzz realcode lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch lm-grid clean
+.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels gpu-wheels-proof pytest fuzz realcode lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch bench-realcode lm-grid clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -210,6 +210,15 @@ bench-generation: $(STAMP)
 # The fixed cost of a 2-rank test launch: new interpreters against ranks forked from the harness's fork server.
 bench-launch: $(STAMP)
 	PYTHONPATH=. $(PY) benchmarks/launch.py --rounds 10
+
+# The real-code suite's cases (tests/realcode) under DDPStrategy, the strategy at ZeRO-2 and -3 and, for three of
+# them, a hand-written DeepSpeed loop: engine build, time to the first step and step time (one launch per case).
+# Not part of `bench`: about 9 minutes on 2 CPU cores.
+REALCODE_BENCH_CASES := transformers_distillation x_transformers_belief_state vector_quantize_pytorch \
+	pytorch_metric_learning
+bench-realcode: $(STAMP)
+	for case in $(REALCODE_BENCH_CASES); do \
+		$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/realcode.py --case $$case --rounds 11 --steps 20 || exit 1; done
 
 bench-gradcache: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/gradcache.py --stage 2

@@ -307,7 +307,7 @@ def _check_parameters_take_recurse(name: str, submodule: nn.Module, config: Mapp
     if zero_stage(config) != 3:
         return
     for path, child in submodule.named_modules():
-        if type(child).parameters is nn.Module.parameters:
+        if getattr(child.parameters, "__func__", None) is nn.Module.parameters:  # torch's own (also on the instance)
             continue
         try:
             inspect.signature(child.parameters).bind(recurse=True)
