@@ -135,6 +135,15 @@ def record(error_type: str, message: str, innermost: str) -> dict:
             ),
             "documented",
         ),
+        (
+            record(  # a message built by a function of the package (`raise RuntimeError(self._refusal(...))`)
+                "RuntimeError",
+                "`opt.state[param]` of engine 'e1': DeepSpeed keeps this optimizer's state in its own flat fp32 "
+                "partitions, not in torch's per-parameter form. ...",
+                "/x/lightning_multids/_optimizer.py:68:_check",
+            ),
+            "documented",
+        ),
         (record("KeyError", "0", "/x/deepspeed/runtime/zero/stage_1_and_2.py:1:f"), "undocumented"),
         (record("AssertionError", "", "/x/lightning_multids/_compat/deepspeed.py:1:f"), "undocumented"),
     ],
@@ -150,6 +159,8 @@ def test_signatures_come_from_the_strategys_raise_statements() -> None:
     found = outcome.signatures()
     assert any("was called with no gradient since its last step" in s for s in found)
     assert any("reaches no trainable engine" in s for s in found)
+    assert any("DeepSpeed keeps this optimizer's state" in s for s in found)  # returned by `_no_torch_state`
+    assert any("over flat partitions of the engine's parameters" in s for s in found)  # `_tensorwise_refusal`
     assert all(len(s) >= 20 for s in found)
 
 
