@@ -143,10 +143,10 @@ class EngineRecord:
 
         ``torch.optim`` steps a parameter whose ``grad`` is set, whatever its ``requires_grad`` (a layer frozen
         after its backward; Lightning's ``toggle_optimizer`` freezing the other optimizers' parameters, where one of
-        those is stepped inside it). DeepSpeed's ``step()`` reduces (ZeRO-0/1) or takes out of its buffers (an
-        offloaded optimizer) only the gradients of parameters that require one: such a parameter would be stepped
-        with this rank's own gradient, or with none. They require one while the engine steps. None where there is
-        none, which costs a read of ``requires_grad`` per parameter.
+        those is stepped inside it). DeepSpeed's ``step()`` reduces (ZeRO-0) or takes out of its buffers (ZeRO-2
+        with an offloaded optimizer) only the gradients of parameters that require one: such a parameter would be
+        stepped with this rank's own gradient, or with none. They require one while the engine steps. None where
+        there is none, which costs a read of ``requires_grad`` per parameter.
         """
         held = self.without_gradient or set()
         frozen = [param for index, param in self.stepped_params if not param.requires_grad and index not in held]
