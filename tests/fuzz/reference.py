@@ -89,6 +89,8 @@ class ReferenceBackend:
         self.entered: set[int] = set()
         self.reached: dict[str, set[int]] = {name: set() for name in case.trained}
         """The ranks on which each trained engine holds gradients (since its last step or zero_grad)."""
+        self.got: dict[str, set[int]] = {name: set() for name in case.trained}
+        """Each optimizer's parameters (by index) that a backward gave a gradient since its last step or zero_grad."""
         self.wanted: list[tuple[Phase, list[str]]] = []
         """Per phase run, the optimizers its ``step`` policy asks for (see :func:`resolve`)."""
         self.needs_find_unused = False
@@ -121,6 +123,18 @@ class ReferenceBackend:
             partial = self.case.engine(name).stage >= 2 and any(trained - now for now in reaching)
             self.needs_find_unused |= partial or 0 < len(reaching) < len(per_rank)
 
+    def _refuse_dropped(self, per_rank: list[dict[str, set[int]]]) -> None:
+        """A backward that reaches a ZeRO-3 engine while a parameter of it is frozen and holds an earlier backward's
+        gradient since the last clear: the strategy refuses it (ZeRO-3 would drop that gradient), so the case is
+        left out of the grammar, as invalid (tests/distributed/test_torch_optim.py tests the refusal)."""
+        for name in self.case.trained:
+            got = [now[name] for now in per_rank if name in now]
+            if got and self.case.engine(name).stage == 3:
+                frozen = {i for i, p in enumerate(self.params[name]) if not p.requires_grad}
+                if frozen & self.got[name]:
+                    raise InvalidCase(f"{name} (ZeRO-3) reached while a frozen parameter holds a gradient")
+            self.got[name] |= set().union(*got)
+
     def backward(self, loss_of: program.LossOf, plain: bool) -> None:
         self._hook_new()
         self.entered = set()
@@ -135,6 +149,7 @@ class ReferenceBackend:
                 raise InvalidCase(f"a backward reaches no trained engine on rank {rank}")
             per_rank.append(self._now)
         self._note_reach(per_rank)
+        self._refuse_dropped(per_rank)
         if not plain:
             self.reads += [Read("after_backward", n, gradients(self.modules[n])) for n in self.case.read_after_backward]
 
@@ -176,6 +191,7 @@ class ReferenceBackend:
     def _clear(self, name: str, set_to_none: bool) -> None:
         self.optimizers[name].zero_grad(set_to_none=set_to_none)
         self.reached[name].clear()
+        self.got[name].clear()
 
     def drop_gradient(self, name: str) -> None:
         next(self.modules[name].parameters()).grad = None
@@ -329,16 +345,24 @@ def joins_well(case: Case, engine: Engine, earlier: list[str]) -> bool:
     )
 
 
+def no_sync_engines(case: Case, phase: Phase) -> list[str]:
+    """The engines a phase's backwards run inside ``no_sync`` for: its owner's, or every trained one."""
+    names = program.no_sync_names(case, phase)
+    return case.trained if names == [] else names or []
+
+
 PARTITIONED = r"\(ZeRO-3\) was (read|set) outside"
 
 
 def refusal(case: Case) -> str | None:
     """What the strategy must refuse in ``case``, as a pattern of its message; None where it must train.
 
-    At setup: two engines sharing a layer; an ``engine_configs`` entry for a later part of an engine over several
-    submodules, or an EMA of such an engine; Adafactor (tensor-wise) at ZeRO-1/2/3. Then, in the order the fit meets
-    them (those of one fit as alternatives): a plain edit (``p.data``) of a ZeRO-3 engine's weights, a plain
-    ``loss.backward()``, a gradient penalty through a ZeRO-3 engine, ``p.grad = None`` between backward and step,
+    At setup: two engines sharing a layer (a frozen engine's layer in another's optimizer: one optimizer over both
+    submodules, whose entry for the later one is refused); an ``engine_configs`` entry for a later part of an engine
+    over several submodules, or an EMA of such an engine; Adafactor (tensor-wise) at ZeRO-1/2/3. Then, in the order
+    the fit meets them (those of one fit as alternatives): a plain edit (``p.data``) of a ZeRO-3 engine's weights, a
+    plain ``loss.backward()``, a gradient penalty through a ZeRO-3 engine, ``full_gradients`` of a ZeRO-2 engine with
+    ``offload_optimizer`` or of a ZeRO-2/3 engine inside ``no_sync``, ``p.grad = None`` between backward and step,
     ``opt.state[p]`` where DeepSpeed keeps the state (ZeRO-1/2/3, bf16), a layer built frozen and unfrozen there (at
     the next backward); a resume that changes a trained engine's ZeRO stage other than between 1 and 2 (DeepSpeed
     cannot load the optimizer state), at load; then what the resumed fit meets.
@@ -362,6 +386,7 @@ def setup_refusals(case: Case) -> list[str]:
     found = []
     if any(engine.shares for engine in case.engines):  # two optimizers holding it are refused first
         found.append("share a parameter|is in optimizer [0-9] and optimizer [0-9]")
+        found.append(r"has an entry for '\w+', which one optimizer trains with")  # a frozen engine's layer
     joined = {name for name in case.trained if len(case.parts(name)) > 1}
     if case.part_entries and joined:
         found.append(r"`engine_configs` has an entry for '\w+', which one optimizer trains with")
@@ -383,6 +408,13 @@ def fit_refusals(case: Case, stages: dict[str, int], start: int, end: int) -> li
     penalties = [term for phase in case.phases for term in phase.terms if term.penalty and term.gate != "data"]
     if any((stages | through)[call.engine] == 3 for term in penalties for call in term.calls):
         found.append(r"A backward with `create_graph=True` .* runs through engine '\w+' \(ZeRO-3\)")
+    read = set(case.read_after_backward) | {n for p in case.phases for n in p.steps if case.read_before_step}
+    if any(stages[name] == 2 and case.engine(name).offload for name in read):
+        found.append(r"`full_gradients\('\w+'\)` cannot read the ZeRO-2 engine '\w+' with `zero_optimization.offload")
+    in_blocks = {name for phase in case.phases if phase.no_sync != "off" for name in no_sync_engines(case, phase)}
+    read_engines = {case.engine(name).joins or name for name in case.read_after_backward}  # a part: its engine's
+    if any(stages[name] >= 2 for name in in_blocks & read_engines):
+        found.append(r"`full_gradients\('\w+'\)` inside `strategy.no_sync\(...\)`")
     if any(phase.drop_grad for phase in case.phases):
         found.append(r"`param\.grad` of a parameter of engine '\w+' \(ZeRO-\d\) was set between the backward")
 
