@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.fuzz import fuzz, grammar, outcome, program, reference
+from tests.fuzz import fuzz, grammar, launch, outcome, program, reference
 from tests.fuzz.grammar import Call, Case, Engine, Phase, Term
 
 
@@ -245,3 +246,12 @@ def test_the_reference_expects_the_documented_refusals(change: Callable[[Case], 
     change(case)
     refused = reference.refusal(case)
     assert (refused is None) if pattern is None else (refused is not None and pattern in refused), refused
+
+
+def test_a_rank_error_record_cut_short_is_no_record(tmp_path: Path) -> None:
+    """A rank ended while writing its record (another rank failed first) left an empty file: the driver crashed."""
+    (tmp_path / "cut.json").write_text("")
+    (tmp_path / "whole.json").write_text('{"type": "ValueError", "message": "m", "frames": []}')
+    assert launch.read_record(tmp_path / "cut.json") is None
+    assert launch.read_record(tmp_path / "missing.json") is None
+    assert launch.read_record(tmp_path / "whole.json") == {"type": "ValueError", "message": "m", "frames": []}
