@@ -78,6 +78,8 @@ class ReferenceBackend:
         self.optimizers = {
             name: program.make_optimizer(str(case.engine(name).optimizer), self.params[name]) for name in case.trained
         }
+        self.stages = {engine.name: engine.stage for engine in case.engines}
+        """Each engine's ZeRO stage in the fit running now (a resume may change it)."""
         self.engine_steps: dict[str, int] = {}
         """Each trained engine's steps so far (Adam's step count over ZeRO-1/2/3's partitions)."""
         self.averaged = 0
@@ -120,7 +122,7 @@ class ReferenceBackend:
         for name in self.case.trained:
             reaching = [now[name] for now in per_rank if now.get(name)]
             trained = {i for i, p in enumerate(self.params[name]) if p.requires_grad}
-            partial = self.case.engine(name).stage >= 2 and any(trained - now for now in reaching)
+            partial = self.stages[name] >= 2 and any(trained - now for now in reaching)
             self.needs_find_unused |= partial or 0 < len(reaching) < len(per_rank)
 
     def _refuse_dropped(self, per_rank: list[dict[str, set[int]]]) -> None:
@@ -129,7 +131,7 @@ class ReferenceBackend:
         left out of the grammar, as invalid (tests/distributed/test_torch_optim.py tests the refusal)."""
         for name in self.case.trained:
             got = [now[name] for now in per_rank if name in now]
-            if got and self.case.engine(name).stage == 3:
+            if got and self.stages[name] == 3:
                 frozen = {i for i, p in enumerate(self.params[name]) if not p.requires_grad}
                 if frozen & self.got[name]:
                     raise InvalidCase(f"{name} (ZeRO-3) reached while a frozen parameter holds a gradient")
@@ -168,7 +170,7 @@ class ReferenceBackend:
             if p.grad is None and p.requires_grad and not self.case.find_unused:  # engine steps what no rank's
                 p.grad = torch.zeros_like(p)  # backward reached with a zero gradient; torch.optim skips it otherwise
         engine = self.case.engine(name)
-        if engine.stage > 0 and engine.optimizer in ("adam", "adamw"):
+        if self.stages[name] > 0 and engine.optimizer in ("adam", "adamw"):
             share_step_count(self.optimizers[name], self.engine_steps.get(name, 0))
         self.engine_steps[name] = self.engine_steps.get(name, 0) + 1
         self.optimizers[name].step()
@@ -264,6 +266,7 @@ def train(case: Case, dtype: torch.dtype = torch.float32, nudged: bool = False) 
             for name in case.trained:
                 backend._clear(name, set_to_none=True)
             backend.following = not case.resume.drop_ema
+            backend.stages |= case.resume.stages
         batch = program.global_batch(data, step)
         backend.shards = [program.shard(batch, rank, WORLD_SIZE) for rank in range(WORLD_SIZE)]
         try:
@@ -405,7 +408,7 @@ def fit_refusals(case: Case, stages: dict[str, int], start: int, end: int) -> li
     if any(phase.plain_backward for phase in case.phases):  # README: a plain loss.backward() reaching an engine
         found.append(r"backward outside `self.manual_backward`|was called with no gradient since its last step")
     through = {case.ema.average: case.ema.stage} if case.ema is not None else {}
-    penalties = [term for phase in case.phases for term in phase.terms if term.penalty and term.gate != "data"]
+    penalties = [term for phase in case.phases for term in phase.terms if term.penalty]
     if any((stages | through)[call.engine] == 3 for term in penalties for call in term.calls):
         found.append(r"A backward with `create_graph=True` .* runs through engine '\w+' \(ZeRO-3\)")
     read = set(case.read_after_backward) | {n for p in case.phases for n in p.steps if case.read_before_step}
