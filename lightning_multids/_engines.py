@@ -108,7 +108,8 @@ class EngineSet:
         record.trainable = True
         self.optimizer_of[name] = EngineOptimizer(record, optimizer, params)
         record.handles.append(route_zero_grad(record, self.optimizer_of[name].zero_grad))
-        record.stepped = frozenset(index for index, p in enumerate(engine.module.parameters()) if p.requires_grad)
+        record.stepped_params = [(index, p) for index, p in enumerate(engine.module.parameters()) if p.requires_grad]
+        record.stepped = frozenset(index for index, _ in record.stepped_params)
         if engine.zero_optimization_stage() or engine_dtype(engine) != torch.float32:
             record.untrained = [(key, p) for key, p in engine.module.named_parameters() if not p.requires_grad]
         record.keeps_master = ds_compat.keeps_master_copy(engine)

@@ -255,10 +255,13 @@ class EngineOptimizer(Optimizer):
         try:
             self.record.take_edits()  # edits since the last step reach the fp32 master copy
             restore = self.record.hold_untouched()  # parameters without a gradient: as torch.optim leaves them
+            refreeze = self.record.thaw_held_gradients()  # frozen ones holding a gradient: stepped with it
             try:
                 with _passing(self.optimizer, kwargs):
                     self.engine.step()
             finally:  # also where a step hook raised after the optimizer stepped
+                if refreeze is not None:
+                    refreeze()
                 if restore is not None:
                     restore()
             returned = True

@@ -91,6 +91,12 @@ class EngineRecord:
     stepped: frozenset[int] = frozenset()
     """The parameters (indices in the module's order) its optimizer steps: those that required a gradient when the
     engine was built (the others have no partition, master copy or state to keep)."""
+    stepped_params: list[tuple[int, torch.nn.Parameter]] = field(default_factory=list)
+    """Those parameters with their indices (:meth:`thaw_held_gradients` reads their ``requires_grad`` each step)."""
+    unreached: set[int] | None = None
+    """Since its last step or ``zero_grad``: the stepped parameters that no backward gave a gradient (None before the
+    first backward); zeros left by ``zero_grad(set_to_none=False)`` are no gradient here, unlike
+    :attr:`without_gradient`."""
     _versions: list[int] = field(default_factory=list)
     _has_gradients: bool = False
 
@@ -103,14 +109,57 @@ class EngineRecord:
     def has_gradients(self, value: bool) -> None:
         self._has_gradients = value
         if not value:
-            self.without_gradient = None
+            self.without_gradient = self.unreached = None
         if self.guard is not None:  # reads of `param.grad` are refused from user code while it holds gradients
             (self.guard.enable if value else self.guard.disable)("grad")
 
     def note_reach(self, missing: list[int]) -> None:
-        """A backward reached the engine and gave no gradient to its parameters ``missing`` (by index)."""
+        """A backward reached the engine and gave no gradient to its parameters ``missing`` (by index).
+
+        At ZeRO-3 it refuses one of them that is frozen now and holds an earlier backward's gradient: the end of
+        this backward dropped that gradient (ZeRO-3 keeps the reduced gradients of the parameters that require one),
+        where ``torch.optim`` would apply it.
+        """
         stepped = set(self.stepped.intersection(missing))
+        if self.unreached is not None and stepped - self.unreached and self.engine.zero_optimization_stage() == 3:
+            self._refuse_dropped_gradients(stepped - self.unreached)
+        self.unreached = stepped if self.unreached is None else self.unreached & stepped
         self.without_gradient = stepped if self.without_gradient is None else self.without_gradient & stepped
+
+    def _refuse_dropped_gradients(self, held: set[int]) -> None:
+        frozen = [index for index, param in self.stepped_params if index in held and not param.requires_grad]
+        if frozen:
+            name = [name for name, _ in self.engine.module.named_parameters()][frozen[0]]
+            raise RuntimeError(
+                f"A backward reached engine {self.name!r} (ZeRO-3) while its parameter {name!r} is frozen "
+                "(`requires_grad=False`) and holds a gradient of an earlier backward since the last `opt.step()` or "
+                "`zero_grad()`: ZeRO-3 keeps the reduced gradients of the parameters that require one at the end of "
+                "each backward, so that gradient was dropped, where `torch.optim` would apply it. Freeze the "
+                "parameter after `opt.step()` or `opt.zero_grad()`, or before the backward that gives it a gradient."
+            )
+
+    def thaw_held_gradients(self) -> Callable[[], None] | None:
+        """Before a step: what freezes again the stepped parameters that are frozen now and hold a gradient.
+
+        ``torch.optim`` steps a parameter whose ``grad`` is set, whatever its ``requires_grad`` (a layer frozen
+        after its backward; Lightning's ``toggle_optimizer`` freezing the other optimizers' parameters, where one of
+        those is stepped inside it). DeepSpeed's ``step()`` reduces (ZeRO-0) or takes out of its buffers (ZeRO-2
+        with an offloaded optimizer) only the gradients of parameters that require one: such a parameter would be
+        stepped with this rank's own gradient, or with none. They require one while the engine steps. None where
+        there is none, which costs a read of ``requires_grad`` per parameter.
+        """
+        held = self.without_gradient or set()
+        frozen = [param for index, param in self.stepped_params if not param.requires_grad and index not in held]
+        if not frozen:
+            return None
+        for param in frozen:
+            param.requires_grad_(True)
+
+        def freeze() -> None:
+            for param in frozen:
+                param.requires_grad_(False)
+
+        return freeze
 
     def hold_untouched(self) -> Callable[[], None] | None:
         """Before a step, where some parameter got no gradient since the last clear: what puts it back after the step.

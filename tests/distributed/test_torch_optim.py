@@ -208,8 +208,12 @@ def partial_step(
     start (a LoRA-style base); ``unused``: ``spare`` never used; ``sometimes``: used on even steps only;
     ``offloaded``: the same after an empty ``strategy.offloaded`` block; ``keep_zeros``: ``spare`` never used,
     cleared with ``zero_grad(set_to_none=False)``; ``module_zero_grad``: a loss through ``spare`` backpropagated,
-    then the module's ``zero_grad()``, then a loss without it.
+    then the module's ``zero_grad()``, then a loss without it; ``frozen_at_step``, ``frozen_between``: see
+    :func:`frozen_holding_a_gradient`.
     """
+    if case in ("frozen_at_step", "frozen_between") and step == 1:
+        frozen_holding_a_gradient(net, batch, case, opt, backward)
+        return
     if case == "frozen" and step == 1:
         net.body.requires_grad_(False)
     opt.zero_grad(set_to_none=case != "keep_zeros")
@@ -221,6 +225,20 @@ def partial_step(
         spare = case in ("frozen", "frozen_base") or (case in ("sometimes", "offloaded") and step % 2 == 0)
         backward(partial_loss(net, batch, spare))
     opt.step()
+
+
+def frozen_holding_a_gradient(net: TwoHeads, batch: torch.Tensor, case: str, opt: Any, backward: Any) -> None:
+    """``body`` frozen while it holds the gradient of a backward, which ``torch.optim`` still applies, and trainable
+    again after the step: frozen just before ``opt.step()`` (``frozen_at_step``: as Lightning's ``toggle_optimizer``
+    freezes the other optimizers' parameters, where one of them is stepped inside the toggle), or between two
+    backwards (``frozen_between``: the second one's loss runs through the frozen ``body``)."""
+    opt.zero_grad()
+    backward(partial_loss(net, batch, False))
+    net.body.requires_grad_(False)
+    if case == "frozen_between":
+        backward(partial_loss(net, batch, False))
+    opt.step()
+    net.body.requires_grad_(True)
 
 
 def make_partial_net(case: str) -> TwoHeads:
@@ -327,6 +345,51 @@ def test_parameters_without_a_gradient_are_left_as_torch_optim_leaves_them() -> 
                 )
         if case == "module_zero_grad" and not weights.get("cleared"):
             failures.append(f"a deep copy's zero_grad() at ZeRO-{stage} did not clear the copy: {weights}")
+    assert not failures, "\n".join(failures)
+
+
+OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "zero_force_ds_cpu_optimizer": False}
+
+
+def fit_frozen_holding(cases: list[tuple[str, int, bool]]) -> list[dict[str, Any]]:
+    """On each rank: the weights after each ``(case, stage, offload)`` fit of :class:`Partial`, or the error."""
+    results: list[dict[str, Any]] = []
+    for case, stage, offload in cases:
+        strategy = MultiDeepSpeedStrategy(stage=stage, config=OFFLOAD if offload else None, find_unused_parameters=True)
+        try:
+            results.append(fit_for_weights(strategy, Partial(case))[1])
+        except RuntimeError as error:
+            results.append({"error": str(error)})
+    return results
+
+
+FROZEN_HOLDING = [(case, stage, False) for case in ("frozen_at_step", "frozen_between") for stage in range(4)]
+FROZEN_HOLDING += [(case, 2, True) for case in ("frozen_at_step", "frozen_between")]
+
+
+def test_a_parameter_frozen_while_it_holds_a_gradient_is_stepped_with_it_as_torch_optim_does() -> None:
+    """``torch.optim`` steps a parameter whose ``grad`` is set, whatever its ``requires_grad``; DeepSpeed reduces
+    (ZeRO-0 in ``step()``, ZeRO-2 offloaded when ``step()`` copies the gradients out) only those that require one, so
+    a frozen one was stepped with this rank's own gradient (the ranks apart) or none. At ZeRO-3 a backward that ends
+    while it is frozen drops its gradient: refused at that backward."""
+    results = on_ranks(fit_frozen_holding, FROZEN_HOLDING)
+    failures = []
+    for (case, stage, offload), *ranks in zip(FROZEN_HOLDING, *results, strict=True):
+        where = f"{case} at ZeRO-{stage}{' offloaded' if offload else ''}"
+        if case == "frozen_between" and stage == 3:
+            message = str(ranks[0].get("error"))
+            expected = "frozen (`requires_grad=False`) and holds a gradient of an earlier backward"
+            if expected not in message or ranks[1].get("error") != message:
+                failures.append(f"{where}: not refused on every rank: {[r.get('error') for r in ranks]}")
+            continue
+        for rank, weights in enumerate(ranks):
+            if "error" in weights:
+                failures.append(f"{where}: rank {rank} raised {weights['error']}")
+                continue
+            for key, value in partial_reference(case).items():
+                error = (weights[key].float() - value).abs().max().item()
+                if error > 1e-5:
+                    failures.append(f"{where}: {key} off by {error:.3g} on rank {rank}")
     assert not failures, "\n".join(failures)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from tests.fuzz.outcome import KINDS, Outcome
 SWITCHES = {"full": grammar.FULL, "safe": grammar.SAFE, "safe_resuming": grammar.SAFE_RESUMING}
 SWITCHES["safe_touching"] = grammar.SAFE_TOUCHING
 SWITCHES["safe_optim"] = grammar.SAFE_OPTIM
+SWITCHES["before_per_parameter"] = grammar.BEFORE_PER_PARAMETER
 
 KNOWN_DEFECTS: dict[int, tuple[str, Callable[[Case], bool]]] = {
     1: ("on_after_backward reads full_gradients before the epilogues", lambda c: bool(c.read_after_backward)),
@@ -139,6 +141,14 @@ def parse_seeds(text: str) -> range:
     return range(int(start), int(stop)) if stop else range(int(start), int(start) + 1)
 
 
+def as_expected(case: Case, result: Outcome) -> bool:
+    """Whether ``result`` is what ``reference.refusal`` expects: a match, or the documented refusal it names."""
+    refused = reference.refusal(case)
+    if refused is None:
+        return result.kind == "match"
+    return result.kind == "documented" and re.search(refused, result.detail) is not None
+
+
 def case_line(case: Case, result: Outcome) -> dict[str, Any]:
     line = {
         "seed": case.seed,
@@ -146,6 +156,8 @@ def case_line(case: Case, result: Outcome) -> dict[str, Any]:
         "suspects": suspects(case),
         "limits": limits(case),
         "size": size(case),
+        "expected": reference.refusal(case),
+        "as_expected": as_expected(case, result),
     }
     line["case"] = grammar.to_dict(case)
     return line
@@ -172,7 +184,7 @@ def groups_of(lines: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for line in lines:
         if line["kind"] != "match":
-            key = " | ".join(Outcome(**{k: line[k] for k in Outcome.__dataclass_fields__}).signature())
+            key = " | ".join(Outcome(**{k: line[k] for k in Outcome.__dataclass_fields__ if k in line}).signature())
             groups.setdefault(key, []).append(line)
     return {key: sorted(members, key=lambda line: line["size"]) for key, members in groups.items()}
 
@@ -238,9 +250,16 @@ def summarize(args: argparse.Namespace) -> None:
     counts = {kind: sum(line["kind"] == kind for line in lines) for kind in KINDS}
     seeds = sorted(line["seed"] for line in lines)
     print(json.dumps({"cases": len(lines), "seeds": f"{seeds[0]}..{seeds[-1]}" if seeds else "", "counts": counts}))
+    unexpected = [
+        line for line in lines if line.get("as_expected") is False and line["kind"] in ("match", "documented")
+    ]
+    if unexpected:  # a refusal where reference.refusal expects none, another one, or a match where it expects one
+        print(f"not as reference.refusal expects: seeds {[line['seed'] for line in unexpected]}")
     for key, members in sorted(groups_of(lines).items(), key=lambda item: -len(item[1])):
         print(f"{len(members):4d}  {key}: {members[0]['detail'][:120]}")
         print(f"      seeds {[line['seed'] for line in members]}")
+        if key.startswith("documented"):
+            print(f"      refused as reference.refusal expects: {[m['seed'] for m in members if m.get('as_expected')]}")
         print(f"      known-defect features {sorted({d for line in members for d in line['suspects']})}")
         print(f"      documented limitations {sorted({t for line in members for t in limits(_case(line))})}")
 

@@ -53,6 +53,15 @@ class Engine:
     """A learned 0-dim scale after the MLP (CLIP's ``logit_scale``)."""
     freeze_at: int | None = None
     """From this training step on, its first layer is frozen (``requires_grad_(False)``): no gradient, left alone."""
+    built_frozen: bool = False
+    """Its first layer is built with ``requires_grad=False`` (a LoRA-style frozen base inside a trained engine)."""
+    unfreeze_at: int | None = None
+    """From this training step on, its first layer is unfrozen again (``requires_grad_(True)``), after ``freeze_at``
+    or ``built_frozen``: one built frozen is refused at the next backward except at ZeRO-0 in fp32 (docs/errors.md)."""
+    joins: str | None = None
+    """An earlier trained engine whose optimizer also trains this submodule: one optimizer over both
+    (``Adam([*self.e0.parameters(), *self.e2.parameters()])``), so one engine named by the earlier one and configured
+    by its ``engine_configs`` entry. This one's optimizer, stage and options are the earlier one's."""
 
     @property
     def trained(self) -> bool:
@@ -122,6 +131,13 @@ class Phase:
     """After the phase, the owner's weights times :data:`EDIT_FACTOR`: ``"plain"`` (``p.data.mul_``), ``"inplace"``
     (``p.mul_`` under ``no_grad``; never at ZeRO-3, where it is a documented blind spot) or ``"block"`` (inside
     ``strategy.gathered(owner, modifier_rank=0)``, where rank 1 multiplies by another factor, dropped)."""
+    drop_grad: bool = False
+    """Between the backwards and the steps, ``p.grad = None`` on the owner's first weight (a gradient dropped by
+    hand): refused at the write (docs/errors.md: ``param.grad`` between backward and step)."""
+    reset_state: bool = False
+    """After the steps, the owner's first weight's Adam moment reset by hand: ``state = opt.state[p]``, then
+    ``state["exp_avg"].zero_()`` where it has one. Torch's own state at ZeRO-0 in fp32; refused at the touch
+    elsewhere (DeepSpeed keeps it in flat partitions or beside fp32 copies)."""
 
 
 @dataclass
@@ -171,14 +187,24 @@ class Case:
     reaches an engine on some ranks only, or a ZeRO-2/3 engine in part; :func:`reference.resolve`)."""
     zero_grad_by: str = "optimizer"
     """How a phase clears an engine: ``"optimizer"`` (``opt.zero_grad()``) or ``"module"``
-    (``self.<engine>.zero_grad()``, as PyTorch's DCGAN tutorial)."""
+    (``self.<engine>.zero_grad()``, as PyTorch's DCGAN tutorial; each part's, for an optimizer over several)."""
+    set_to_none: bool = True
+    """``zero_grad(set_to_none=...)`` wherever the case clears: False leaves zeros, which ``torch.optim`` steps."""
+    part_entries: bool = False
+    """The submodules that join another's optimizer (``Engine.joins``) get ``engine_configs`` entries of their own
+    too: refused at setup (the entry is the first part's)."""
 
     def engine(self, name: str) -> Engine:
         return next(engine for engine in self.engines if engine.name == name)
 
     @property
     def trained(self) -> list[str]:
-        return [engine.name for engine in self.engines if engine.trained]
+        """The optimizers, named by their engines: every trained submodule but those that join another's."""
+        return [engine.name for engine in self.engines if engine.trained and engine.joins is None]
+
+    def parts(self, name: str) -> list[str]:
+        """The submodules the optimizer ``name`` trains, in the module's order: ``name``, then those joining it."""
+        return [name] + [engine.name for engine in self.engines if engine.joins == name]
 
     @property
     def module_names(self) -> list[str]:
@@ -222,10 +248,14 @@ class Switches:
     torch_optim: bool = True
     """What ``torch.optim`` does per parameter: 0-dim parameters, layers frozen mid-fit, ``module.zero_grad()``, AdamW's
     weight decay and Adafactor (drawn after everything else, from a generator of their own)."""
+    per_parameter: bool = True
+    """More of it: optimizers over several submodules, layers built frozen or unfrozen mid-fit, ``zero_grad(
+    set_to_none=False)``, ``p.grad = None`` before a step and ``opt.state`` edits (drawn after ``torch_optim``, from
+    a generator of their own)."""
 
 
 FULL = Switches()
-BEFORE_RESUME = Switches(shared_params=False, resume=False, touches=False, torch_optim=False)
+BEFORE_RESUME = Switches(shared_params=False, resume=False, touches=False, torch_optim=False, per_parameter=False)
 """The grammar before shared layers and resumes were added: the seeds chosen then draw the same cases in it."""
 SAFE = Switches(
     offload=False,  # known defect 2: ZeRO-2 + offload_optimizer keeps gradients that zero_grad() should drop
@@ -238,15 +268,19 @@ SAFE = Switches(
     resume=False,
     touches=False,
     torch_optim=False,
+    per_parameter=False,
 )
 """The dimensions of :data:`FULL` without those of the six defects known on 2026-11-24."""
 SAFE_RESUMING = dataclasses.replace(SAFE, shared_params=True, resume=True)
 """:data:`SAFE` with shared layers and resumes (stages changed, saves inside ``gathered``, engines dropped)."""
 SAFE_TOUCHING = dataclasses.replace(SAFE_RESUMING, touches=True)
 """:data:`SAFE_RESUMING` with clipping and weight edits."""
-SAFE_OPTIM = dataclasses.replace(SAFE_TOUCHING, torch_optim=True)
-""":data:`SAFE_TOUCHING` with what ``torch.optim`` does per parameter (0-dim scales, freezing, ``module.zero_grad()``,
-AdamW, Adafactor)."""
+SAFE_OPTIM = dataclasses.replace(SAFE_TOUCHING, torch_optim=True, per_parameter=True)
+""":data:`SAFE_TOUCHING` with what ``torch.optim`` does per parameter (0-dim scales, freezing and unfreezing,
+``module.zero_grad()``, AdamW, Adafactor, optimizers over several submodules, ``set_to_none=False``, ``p.grad = None``,
+``opt.state`` edits)."""
+BEFORE_PER_PARAMETER = dataclasses.replace(SAFE_OPTIM, per_parameter=False)
+""":data:`SAFE_OPTIM` before ``per_parameter`` existed: the seeds chosen then draw the same cases in it."""
 
 
 def chance(rng: random.Random, p: float, allowed: bool = True) -> bool:
@@ -342,6 +376,7 @@ def draw_case(seed: int, rng: random.Random, switches: Switches) -> Case:
     # from a generator of its own: the main one draws what it drew before the option existed, seed for seed
     case.find_unused = chance(random.Random(f"find_unused {seed}"), 0.3, switches.find_unused)
     draw_torch_optim(random.Random(f"torch_optim {seed}"), case, switches)
+    draw_per_parameter(random.Random(f"per_parameter {seed}"), case, switches)
     return case
 
 
@@ -368,6 +403,62 @@ def draw_torch_optim(rng: random.Random, case: Case, switches: Switches) -> None
         elif draw < 0.2:
             engine.optimizer = "adafactor"
     case.zero_grad_by = "module" if chance(rng, 0.3) else "optimizer"
+
+
+def draw_per_parameter(rng: random.Random, case: Case, switches: Switches) -> None:
+    """Maybe one optimizer over two submodules, a first layer built frozen or unfrozen mid-fit, ``set_to_none=False``,
+    ``p.grad = None`` before a step, or ``opt.state`` edits after it.
+
+    What is refused (docs/errors.md) is drawn less often than what trains: an unfreezing of a layer built frozen and
+    a moment reset mostly at ZeRO-0 in fp32, where torch's optimizer holds the state, ``p.grad = None`` rarely, an
+    ``engine_configs`` entry for the later part one time in ten, and the joining of an EMA's source one time in five.
+    As for ``freeze_at``, no freezing beside ``toggle_optimizer`` nor on a shared layer; no joining of a shared
+    layer's engines (the one parameter would be twice in one optimizer).
+    """
+    if not switches.per_parameter:
+        return
+    shared = {engine.shares for engine in case.engines if engine.shares}
+    toggles = any(phase.toggle for phase in case.phases)
+    fp32 = case.precision == "32-true"
+    averaged = case.ema.source if case.ema is not None and not chance(rng, 0.2) else None  # refused: mostly not
+    joinable = [e for e in case.engines if e.trained and e.shares is None and e.name not in shared | {averaged}]
+    if len(joinable) >= 2 and chance(rng, 0.3):
+        first, part = sorted(rng.sample(range(len(joinable)), 2))
+        join(case, joinable[first], joinable[part])
+        case.part_entries = chance(rng, 0.1)
+    for engine in case.engines:
+        plain = engine.inner_checkpoint is None and engine.shares is None and engine.name not in shared
+        if not engine.trained or not plain or toggles:
+            continue
+        torch_state = engine.stage == 0 and fp32
+        draw = rng.random()
+        if draw < 0.08:
+            engine.built_frozen = True  # a frozen base beside trained layers
+        elif draw < (0.2 if torch_state else 0.11):
+            engine.built_frozen, engine.unfreeze_at = True, 1
+        elif draw < (0.3 if torch_state else 0.21) and engine.freeze_at is None:
+            engine.freeze_at, engine.unfreeze_at = 0, 1  # frozen for the first step only
+    case.set_to_none = not chance(rng, 0.3)
+    for phase in case.phases:
+        phase.drop_grad = chance(rng, 0.015)
+        owner = case.engine(phase.owner)
+        phase.reset_state = chance(rng, 0.3 if owner.stage == 0 and fp32 else 0.04)
+
+
+def join(case: Case, first: Engine, part: Engine) -> None:
+    """One optimizer over ``first`` and ``part`` (later in the module): ``part`` takes ``first``'s engine settings,
+    and a phase for ``part`` becomes one for ``first``, the engine they form (its in-place edit one in a ``gathered``
+    block where that is ZeRO-3, as :func:`draw_touches` draws them)."""
+    part.joins = first.name
+    part.optimizer, part.stage, part.offload = first.optimizer, first.stage, first.offload
+    part.fp32_grad_accum = first.fp32_grad_accum
+    if case.resume is not None:
+        case.resume.stages.pop(part.name, None)
+    stages = {first.stage, case.resume.stages.get(first.name, first.stage) if case.resume else first.stage}
+    for phase in case.phases:
+        if phase.owner == part.name:
+            phase.owner = first.name
+            phase.edit = "block" if phase.edit == "inplace" and 3 in stages else phase.edit
 
 
 def draw_touches(rng: random.Random, case: Case, phase: Phase, switches: Switches) -> None:
@@ -452,6 +543,9 @@ def from_json(text: str) -> Case:
 
 # ---- simplification (for the shrinker) -------------------------------------------------------------------
 
+JOINED_SETTINGS = ("optimizer", "stage", "offload", "fp32_grad_accum")
+"""An engine's settings that the submodules joining its optimizer (``Engine.joins``) share."""
+
 Path = tuple[str | int, ...]
 """Where an edit acts, from the case: ``("phases", 0, "terms", 1)`` is ``case.phases[0].terms[1]``."""
 
@@ -483,6 +577,11 @@ class SetField:
                 engine.fp32_grad_accum = False
         if self.key == "stage" and self.path[0] == "engines":
             target.offload = target.offload and self.value > 0
+        if self.path[:1] == ("engines",) and self.key in JOINED_SETTINGS:  # the parts joining it: its settings
+            for engine in case.engines:
+                if engine.joins == target.name:
+                    setattr(engine, self.key, getattr(target, self.key))
+                    engine.offload = target.offload
         return True
 
     def __str__(self) -> str:
@@ -532,6 +631,7 @@ def _referred(case: Case) -> set[str]:
     used |= {phase.owner for phase in case.phases} | set(case.read_after_backward)
     used |= {case.ema.source} if case.ema else set()
     used |= {engine.shares for engine in case.engines if engine.shares}
+    used |= {engine.joins for engine in case.engines if engine.joins}
     used |= {case.resume.inside} if case.resume and case.resume.inside else set()
     return used
 
@@ -540,10 +640,11 @@ Edit = SetField | Drop | DropEngine
 
 PHASE_DEFAULTS = {"micro": 1, "toggle": False, "no_sync": "off", "shared": False, "plain_backward": False}
 PHASE_DEFAULTS |= {"zero_grad": "after", "step": "owner", "clip": 0.0, "edit": "none"}
+PHASE_DEFAULTS |= {"drop_grad": False, "reset_state": False}
 TERM_DEFAULTS = {"penalty": False, "gate": "always", "scale": "const", "weight": 1.0, "target": "zero", "source": "x"}
 CALL_DEFAULTS = {"detach": False, "no_grad": False, "checkpoint": None}
 ENGINE_DEFAULTS = {"offload": False, "fp32_grad_accum": False, "inner_checkpoint": None, "shares": None, "hidden": 4}
-ENGINE_DEFAULTS |= {"scalar": False, "freeze_at": None}
+ENGINE_DEFAULTS |= {"scalar": False, "freeze_at": None, "built_frozen": False, "unfreeze_at": None, "joins": None}
 RESUME_DEFAULTS = {"stages": {}, "inside": None, "drop_ema": False, "drop_frozen": []}
 
 
@@ -563,6 +664,8 @@ def edits(case: Case) -> Iterator[Edit]:
     yield SetField((), "precision", "32-true")
     yield SetField((), "read_before_step", False)
     yield SetField((), "zero_grad_by", "optimizer")
+    yield SetField((), "part_entries", False)
+    yield SetField((), "set_to_none", True)
     yield SetField((), "read_after_backward", [])
     if len(case.read_after_backward) > 1:
         yield SetField((), "read_after_backward", case.read_after_backward[:1])

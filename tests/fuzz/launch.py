@@ -54,10 +54,19 @@ def collect(cases: list[Case], root: Path, timed_out: bool) -> list[Outcome]:
             outcomes.append(found)
             continue
         errors = [root / f"{index}.rank{rank}.error.json" for rank in range(WORLD_SIZE)]
-        records = [json.loads(path.read_text()) for path in errors if path.exists()]
+        records = [record for path in errors if (record := read_record(path)) is not None]
         outcomes.append(outcome.from_errors(records, timed_out))
         break
     return outcomes
+
+
+def read_record(path: Path) -> dict | None:
+    """A rank's error record; None where there is none, or only part of one (the rank was ended while writing it,
+    once another rank had failed)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def run_cases(cases: list[Case], timeout: float, batch: int) -> list[Outcome]:

@@ -160,22 +160,37 @@ def with_rounding_noise(found: Outcome, case: Case, expected: Result, noise: Res
 
 @functools.cache
 def signatures() -> tuple[str, ...]:
-    """The literal parts (20 characters or more) of every message ``lightning_multids`` raises."""
+    """The literal parts (20 characters or more) of every message ``lightning_multids`` raises.
+
+    A message is the argument of a ``raise``: a string, or a call of a function of the package that builds it
+    (``raise RuntimeError(self._no_torch_state(...))``), whose ``return`` statements' literal parts count.
+    """
+    trees = [ast.parse(path.read_text()) for path in Path(lightning_multids.__file__).parent.rglob("*.py")]
+    builders: dict[str, list[ast.FunctionDef]] = {}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                builders.setdefault(node.name, []).append(node)
     found: set[str] = set()
-    for path in Path(lightning_multids.__file__).parent.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for tree in trees:
+        for node in ast.walk(tree):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
-                found.update(_literal_parts(node.exc.args[0]))
+                message = node.exc.args[0]
+                found.update(_literal_parts(message))
+                if isinstance(message, ast.Call):
+                    name = message.func.attr if isinstance(message.func, ast.Attribute) else ast.unparse(message.func)
+                    for builder in builders.get(name, []):
+                        for returned in ast.walk(builder):
+                            if isinstance(returned, ast.Return) and returned.value is not None:
+                                found.update(_literal_parts(returned.value))
     return tuple(sorted(found))
 
 
 def _literal_parts(node: ast.expr) -> list[str]:
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        pieces = [node.value]
-    elif isinstance(node, ast.JoinedStr):
-        pieces = [v.value for v in node.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
-    else:
+    """The string constants in ``node`` (an f-string's literal pieces, the parts of a concatenation)."""
+    if isinstance(node, ast.Call):  # a message built by a call: see `signatures`
         return []
+    pieces = [v.value for v in ast.walk(node) if isinstance(v, ast.Constant) and isinstance(v.value, str)]
     return [piece.strip() for piece in pieces if len(piece.strip()) >= 20]
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -48,6 +48,12 @@ class Backend(Protocol):
     def edit(self, name: str, how: str) -> None:
         """Multiply ``name``'s weights by ``EDIT_FACTOR``, as ``Phase.edit`` says (plain, inplace or block)."""
 
+    def drop_gradient(self, name: str) -> None:
+        """``p.grad = None`` on the first weight of ``name`` (between the backwards and the steps)."""
+
+    def reset_state(self, name: str) -> None:
+        """Zero Adam's ``exp_avg`` of the first weight of ``name`` through ``opt.state[p]``, where it has one."""
+
 
 # ---- modules and data ------------------------------------------------------------------------------------
 
@@ -61,6 +67,7 @@ def make_module(case: Case, name: str) -> nn.Module:
     torch.manual_seed(case.seed * 16 + index)
     hidden = case.engine(engine.shares).hidden if engine.shares else engine.hidden  # its first layer is replaced
     layers = (nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, FEATURES))
+    layers[0].requires_grad_(not engine.built_frozen)
     if engine.inner_checkpoint is None:
         return nn.Sequential(*layers, *([Scale()] if engine.scalar else []))
     return CheckpointedMLP(*layers, use_reentrant=engine.inner_checkpoint == "reentrant")
@@ -92,7 +99,12 @@ def make_data(case: Case) -> torch.Tensor:
     return torch.randn(case.steps * GLOBAL_BATCH, 2 * FEATURES, generator=generator)
 
 
-def make_optimizer(kind: str, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+def optimizer_params(case: Case, modules: dict[str, nn.Module], name: str) -> list[nn.Parameter]:
+    """What the optimizer ``name`` holds: ``[*self.e0.parameters(), *self.e2.parameters()]`` over its parts."""
+    return [param for part in case.parts(name) for param in modules[part].parameters()]
+
+
+def make_optimizer(kind: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=LEARNING_RATES["sgd"])
     if kind == "adamw":
@@ -219,6 +231,8 @@ def run_phase(backend: Backend, case: Case, phase: Phase, modules: dict[str, nn.
     with backend.toggled(phase.owner) if phase.toggle else contextlib.nullcontext():
         run_backwards(backend, case, phase, modules, batch_idx)
         backend.before_steps(phase)
+        if phase.drop_grad:
+            backend.drop_gradient(phase.owner)
         if phase.zero_grad == "between":
             for name in case.trained:
                 if name not in phase.steps:
@@ -227,6 +241,8 @@ def run_phase(backend: Backend, case: Case, phase: Phase, modules: dict[str, nn.
             if phase.clip and name == phase.owner:
                 backend.clip(name, phase.clip)
             backend.step(name)
+    if phase.reset_state:
+        backend.reset_state(phase.owner)
     if phase.zero_grad == "after":
         for name in phase.steps:
             backend.zero_grad(name)
@@ -236,7 +252,10 @@ def run_phase(backend: Backend, case: Case, phase: Phase, modules: dict[str, nn.
 
 def training_step(backend: Backend, case: Case, modules: dict[str, nn.Module], batch_idx: int) -> None:
     for engine in case.engines:
-        if engine.freeze_at is not None and batch_idx >= engine.freeze_at:
-            modules[engine.name][0].requires_grad_(False)
+        first = cast(nn.Sequential, modules[engine.name])[0]
+        if engine.unfreeze_at is not None and batch_idx >= engine.unfreeze_at:
+            first.requires_grad_(True)
+        elif engine.freeze_at is not None and batch_idx >= engine.freeze_at:
+            first.requires_grad_(False)
     for phase in case.phases:
         run_phase(backend, case, phase, modules, batch_idx)

@@ -55,10 +55,12 @@ class StrategyBackend:
         self.optimizers[name].step()
 
     def zero_grad(self, name: str) -> None:
-        if self.module.case.zero_grad_by == "module":
-            getattr(self.module, name).zero_grad()
+        case = self.module.case
+        if case.zero_grad_by == "module":
+            for part in case.parts(name):
+                getattr(self.module, part).zero_grad(set_to_none=case.set_to_none)
         else:
-            self.optimizers[name].zero_grad()
+            self.optimizers[name].zero_grad(set_to_none=case.set_to_none)
 
     def toggled(self, name: str) -> contextlib.AbstractContextManager:
         return self.module.toggled_optimizer(self.optimizers[name])
@@ -84,6 +86,14 @@ class StrategyBackend:
             for p in module.parameters():
                 p.mul_(factor)
 
+    def drop_gradient(self, name: str) -> None:
+        next(getattr(self.module, name).parameters()).grad = None
+
+    def reset_state(self, name: str) -> None:
+        state = self.optimizers[name].state[next(getattr(self.module, name).parameters())]
+        if "exp_avg" in state:
+            state["exp_avg"].zero_()
+
 
 class FuzzModule(pl.LightningModule):
     """A case's module; ``per_epoch``: each epoch is one batch, the training step's index is the epoch's."""
@@ -104,9 +114,10 @@ class FuzzModule(pl.LightningModule):
         program.training_step(StrategyBackend(self, batch), self.case, self.submodules(), index)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        modules, case = self.submodules(), self.case
         return [
-            program.make_optimizer(str(self.case.engine(name).optimizer), getattr(self, name).parameters())
-            for name in self.case.trained
+            program.make_optimizer(str(case.engine(name).optimizer), program.optimizer_params(case, modules, name))
+            for name in case.trained
         ]
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -144,6 +155,8 @@ def make_strategy(case: Case, resumed: bool = False) -> MultiDeepSpeedStrategy:
     change = case.resume if resumed else None
     configs: dict[str, dict[str, Any] | str] = {}
     for engine in case.engines:
+        if engine.joins is not None and not case.part_entries:  # its engine is the first part's: one entry
+            continue
         if change is None or engine.name not in change.drop_frozen:
             stage = change.stages.get(engine.name, engine.stage) if change is not None else engine.stage
             configs[engine.name] = engine_config(dataclasses.replace(engine, stage=stage))

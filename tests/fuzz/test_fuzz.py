@@ -12,9 +12,12 @@ shared by two engines (refused at setup), and resumes with a ZeRO stage changed 
 are refused at load), a save inside ``gathered``, the EMA or a frozen engine dropped. ``TOUCHES`` draws with
 ``grammar.SAFE_TOUCHING``: ``self.clip_gradients`` before a step (also read before it) and weight edits after a
 phase, plain and inside ``gathered(name, modifier_rank=0)`` (at ZeRO-3 too), in bf16, before a resume and on the
-source of an EMA. ``OPTIM`` draws with ``grammar.SAFE_OPTIM``: 0-dim parameters, layers frozen mid-fit,
-``self.<engine>.zero_grad()`` at ZeRO-2/3, AdamW's decay and Adafactor at ZeRO-0. ``make fuzz`` runs the whole
-grammar over a range of seeds.
+source of an EMA. ``OPTIM`` draws with ``grammar.BEFORE_PER_PARAMETER``: 0-dim parameters, layers frozen mid-fit,
+``self.<engine>.zero_grad()`` at ZeRO-2/3, AdamW's decay and Adafactor at ZeRO-0; ``PER_PARAMETER``, in the same
+launch, with ``grammar.SAFE_OPTIM``: one optimizer over two submodules (at ZeRO-0, 2 and 3, in bf16 too), a layer
+built frozen at ZeRO-3, unfrozen at ZeRO-0 (refused elsewhere, so not here), a layer frozen for the first step only
+at ZeRO-2, ``zero_grad(set_to_none=False)`` and Adam's moments reset through ``opt.state[p]`` at ZeRO-0.
+``make fuzz`` runs the whole grammar over a range of seeds.
 """
 
 from __future__ import annotations
@@ -164,12 +167,14 @@ def test_clipping_and_weight_edits_train_as_plain_pytorch(touches: list[Case]) -
     assert_all_match(touches)
 
 
-OPTIM = (78, 18, 35, 2, 14)  # seeds of grammar.SAFE_OPTIM
+OPTIM = (78, 18, 35, 2, 14)  # seeds of grammar.BEFORE_PER_PARAMETER (grammar.SAFE_OPTIM when they were chosen)
+PER_PARAMETER = (432, 20, 327, 35)  # seeds of grammar.SAFE_OPTIM
 
 
 @pytest.fixture(scope="module")
 def optims() -> list[Case]:
-    return [grammar.generate(seed, grammar.SAFE_OPTIM, valid=reference.resolve) for seed in OPTIM]
+    before = [grammar.generate(seed, grammar.BEFORE_PER_PARAMETER, valid=reference.resolve) for seed in OPTIM]
+    return before + [grammar.generate(seed, grammar.SAFE_OPTIM, valid=reference.resolve) for seed in PER_PARAMETER]
 
 
 def optim_features(case: Case) -> set[str]:
@@ -180,15 +185,27 @@ def optim_features(case: Case) -> set[str]:
     )
     for engine in case.engines:
         found |= {f"scalar_stage{engine.stage}"} if engine.scalar else set()
-        found |= {f"freeze_stage{engine.stage}"} if engine.freeze_at is not None else set()
+        found |= (
+            {f"freeze_stage{engine.stage}"} if engine.freeze_at is not None and engine.unfreeze_at is None else set()
+        )
         found |= {f"{engine.optimizer}_stage{engine.stage}"} if engine.optimizer in ("adamw", "adafactor") else set()
-    return found
+        found |= {f"joined_stage{engine.stage}"} if engine.joins else set()
+        found |= {"joined_bf16"} if engine.joins and case.precision == "bf16-mixed" else set()
+        built = "built_frozen" if engine.unfreeze_at is None else "unfreeze_built"
+        found |= {f"{built}_stage{engine.stage}"} if engine.built_frozen else set()
+        unfrozen = engine.unfreeze_at is not None and not engine.built_frozen
+        found |= {f"unfreeze_stage{engine.stage}"} if unfrozen else set()
+    found |= {"set_to_none_false"} if not case.set_to_none else set()
+    owners = [case.engine(phase.owner) for phase in case.phases if phase.reset_state]
+    return found | {f"reset_{owner.optimizer}_stage{owner.stage}" for owner in owners}
 
 
 def test_the_optim_slice_covers(optims: list[Case]) -> None:
     found = set().union(*(optim_features(case) for case in optims))
     wanted = {"scalar_stage0", "scalar_stage3", "freeze_stage1", "freeze_stage2", "module_zero_grad_zero23"}
     wanted |= {"adamw_stage1", "adamw_stage2", "adafactor_stage0"}
+    wanted |= {"joined_stage0", "joined_stage2", "joined_stage3", "joined_bf16", "built_frozen_stage3"}
+    wanted |= {"unfreeze_built_stage0", "unfreeze_stage2", "set_to_none_false", "reset_adam_stage0"}
     assert found >= wanted, f"the optim slice no longer covers {sorted(wanted - found)}: choose other seeds"
 
 

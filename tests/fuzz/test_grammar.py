@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.fuzz import fuzz, grammar, outcome, reference
+from tests.fuzz import fuzz, grammar, launch, outcome, program, reference
 from tests.fuzz.grammar import Call, Case, Engine, Phase, Term
 
 
@@ -135,6 +137,15 @@ def record(error_type: str, message: str, innermost: str) -> dict:
             ),
             "documented",
         ),
+        (
+            record(  # a message built by a function of the package (`raise RuntimeError(self._refusal(...))`)
+                "RuntimeError",
+                "`opt.state[param]` of engine 'e1': DeepSpeed keeps this optimizer's state in its own flat fp32 "
+                "partitions, not in torch's per-parameter form. ...",
+                "/x/lightning_multids/_optimizer.py:68:_check",
+            ),
+            "documented",
+        ),
         (record("KeyError", "0", "/x/deepspeed/runtime/zero/stage_1_and_2.py:1:f"), "undocumented"),
         (record("AssertionError", "", "/x/lightning_multids/_compat/deepspeed.py:1:f"), "undocumented"),
     ],
@@ -150,6 +161,8 @@ def test_signatures_come_from_the_strategys_raise_statements() -> None:
     found = outcome.signatures()
     assert any("was called with no gradient since its last step" in s for s in found)
     assert any("reaches no trainable engine" in s for s in found)
+    assert any("DeepSpeed keeps this optimizer's state" in s for s in found)  # returned by `_no_torch_state`
+    assert any("over flat partitions of the engine's parameters" in s for s in found)  # `_tensorwise_refusal`
     assert all(len(s) >= 20 for s in found)
 
 
@@ -171,3 +184,74 @@ def test_the_average_is_removed_only_when_no_call_runs_it() -> None:
     }
     for description, simpler in grammar.simplifications(case):
         assert simpler.ema is not None or description != "case: ema=None"
+
+
+def test_a_case_written_before_a_field_existed_loads_with_its_default() -> None:
+    data = grammar.to_dict(gan_case())
+    for engine in data["engines"]:
+        del engine["joins"], engine["built_frozen"], engine["unfreeze_at"]
+    for phase in data["phases"]:
+        del phase["drop_grad"], phase["reset_state"]
+    del data["set_to_none"], data["part_entries"]
+    assert grammar.to_json(grammar.from_dict(data)) == grammar.to_json(gan_case())
+
+
+def joined_case() -> Case:
+    """One SGD over ``g`` and ``d`` (``d`` joins ``g``'s optimizer): one engine named ``g``, at ZeRO-0."""
+    case = gan_case()
+    case.engines = [Engine("g", stage=0), Engine("d", stage=0, joins="g")]
+    case.phases = case.phases[1:]
+    return case
+
+
+def test_an_optimizer_over_two_submodules_is_one_optimizer_named_by_the_first() -> None:
+    case = joined_case()
+    assert case.trained == ["g"] and case.parts("g") == ["g", "d"]
+    resolved = reference.resolve(case)
+    assert resolved is not None and resolved.phases[0].steps == ["g"]
+    trained = expected(case)
+    assert all(not torch.equal(trained.weights[k], v) for k, v in reference.weights(program.make_modules(case)).items())
+    case.engine("d").stage = 2  # a part at another stage than its engine's: not a valid case
+    assert reference.resolve(case) is None
+
+
+def built_frozen(case: Case, unfrozen: bool, stage: int = 0) -> None:
+    """``d``'s first layer built frozen (and unfrozen at the second step), the engine at ``stage``."""
+    for engine in case.engines:
+        engine.stage = stage
+    case.engine("d").built_frozen = True
+    case.engine("d").unfreeze_at = 1 if unfrozen else None
+
+
+def reset_state(case: Case, precision: str) -> None:
+    case.phases[0].reset_state, case.precision = True, precision
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        (lambda c: None, None),
+        (lambda c: setattr(c, "part_entries", True), "`engine_configs` has an entry for"),
+        (lambda c: setattr(c.phases[0], "drop_grad", True), r"`param\.grad` of a parameter of engine"),
+        (lambda c: reset_state(c, "32-true"), None),  # torch's own optimizer state at ZeRO-0 in fp32
+        (lambda c: reset_state(c, "bf16-mixed"), r"`opt\.state\[param\]`"),
+        (lambda c: built_frozen(c, unfrozen=True), None),  # ZeRO-0 in fp32: its torch optimizer holds the layer
+        (lambda c: built_frozen(c, unfrozen=False, stage=2), None),
+        (lambda c: built_frozen(c, unfrozen=True, stage=2), "had `requires_grad=False` when the engine was built"),
+    ],
+)
+def test_the_reference_expects_the_documented_refusals(change: Callable[[Case], object], pattern: str | None) -> None:
+    """docs/errors.md: what the strategy refuses of the per-parameter touches, and where it trains."""
+    case = joined_case()
+    change(case)
+    refused = reference.refusal(case)
+    assert (refused is None) if pattern is None else (refused is not None and pattern in refused), refused
+
+
+def test_a_rank_error_record_cut_short_is_no_record(tmp_path: Path) -> None:
+    """A rank ended while writing its record (another rank failed first) left an empty file: the driver crashed."""
+    (tmp_path / "cut.json").write_text("")
+    (tmp_path / "whole.json").write_text('{"type": "ValueError", "message": "m", "frames": []}')
+    assert launch.read_record(tmp_path / "cut.json") is None
+    assert launch.read_record(tmp_path / "missing.json") is None
+    assert launch.read_record(tmp_path / "whole.json") == {"type": "ValueError", "message": "m", "frames": []}
