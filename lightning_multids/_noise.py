@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -144,14 +145,38 @@ class _DropTips(logging.Filter):
         return LIGHTNING_TIPS.match(record.getMessage()) is None
 
 
+def drop_lightning_tips() -> Callable[[], None]:
+    """Drop :data:`LIGHTNING_TIPS` from Lightning's rank-zero logger (``rank_zero_info``'s) until the undo runs."""
+    logger, drop = rank_zero.log, _DropTips()
+    logger.addFilter(drop)
+    return lambda: logger.removeFilter(drop)
+
+
+_TIPS_DROPPED: weakref.WeakKeyDictionary[object, weakref.finalize] = weakref.WeakKeyDictionary()
+
+
+def drop_lightning_tips_for(owner: object) -> None:
+    """Drop :data:`LIGHTNING_TIPS` until :func:`show_lightning_tips_of` ``owner`` runs, or ``owner`` is collected.
+
+    Kept here, not on ``owner``, so that ``owner`` (the strategy) stays picklable for a spawned launch.
+    """
+    _TIPS_DROPPED[owner] = weakref.finalize(owner, drop_lightning_tips())
+
+
+def show_lightning_tips_of(owner: object) -> None:
+    """Undo :func:`drop_lightning_tips_for` ``owner``, where it is in force."""
+    undo = _TIPS_DROPPED.pop(owner, None)
+    if undo is not None:
+        undo()
+
+
 @contextmanager
 def quiet() -> Iterator[None]:
     """Hide :data:`WHILE_ENGINES_LIVE` and drop :data:`LIGHTNING_TIPS` inside the block (the command's whole call)."""
-    logger, drop = rank_zero.log, _DropTips()  # the logger Lightning's `rank_zero_info` writes to
-    logger.addFilter(drop)
+    show_tips = drop_lightning_tips()
     show_again = hide_upstream_warnings()
     try:
         yield
     finally:
         show_again()
-        logger.removeFilter(drop)
+        show_tips()

@@ -58,7 +58,7 @@ from lightning_multids._lifecycle import (
     zero3_on_device,
 )
 from lightning_multids._model_summary import count_partitioned
-from lightning_multids._noise import hide_upstream_warnings
+from lightning_multids._noise import drop_lightning_tips_for, hide_upstream_warnings, show_lightning_tips_of
 from lightning_multids._planning import check_clip_algorithm, optimizer_class, warn_clipping_overrides
 from lightning_multids._precision import EnginePrecision
 
@@ -190,6 +190,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         """A checkpoint whose Lightning part was read before setup: setup loads the rest once the engines exist."""
         self._restore_summary: Callable[[], None] = _nothing
         self._show_upstream_warnings: Callable[[], None] = _nothing
+        # Lightning's install tips come at `Trainer(...)` and at fit's start, after this and before any hook of the
+        # strategy: dropped from here to the teardown, or until the strategy is collected if no fit tears it down.
+        drop_lightning_tips_for(self)
         self._unguard_gradients: Callable[[], None] = _nothing
         self._unset_extensions_dir: Callable[[], None] = _nothing
         self._unset_launch_variables: Callable[[], None] = _nothing
@@ -754,6 +757,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         self._restore_summary = _nothing
         self._show_upstream_warnings()
         self._show_upstream_warnings = _nothing
+        show_lightning_tips_of(self)
         self._unset_extensions_dir()
         self._unset_extensions_dir = _nothing
         self._unset_launch_variables()
