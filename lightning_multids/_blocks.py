@@ -377,3 +377,27 @@ def refuse_partitioned_weights(name: str) -> Callable[[torch.Tensor, str, str], 
         )
 
     return check
+
+
+def refuse_partitioned_use(name: str) -> Callable[[str, str], None]:
+    """What user code meets when it reads a parameter of ZeRO-3 engine ``name`` outside every forward of the engine.
+
+    There the parameter is this rank's partition, an empty tensor, where DDP's is the whole weight: a product with
+    it fails in the user's code with torch's shape error, and an in-place ``nn.init`` (or ``reset_parameters()``)
+    changes nothing. Inside a forward of any submodule of the engine DeepSpeed gathers it, and inside ``gathered``
+    it is whole. Reads by torch (other than a ``reset_parameters``), DeepSpeed and the strategy pass.
+    """
+
+    def refuse(param: str, reader: str) -> None:
+        if from_own_code(reader) and "reset_parameters" not in reader:
+            return
+        raise RuntimeError(
+            f"`{param}` of engine {name!r} (ZeRO-3) was read outside every forward of {name!r} (in "
+            f"{reader or 'unknown code'}): there ZeRO-3 holds it as this rank's partition, an empty tensor, where "
+            "DDP's is the whole weight, so a computation with it fails and an in-place initialisation changes "
+            f"nothing. Use it inside the forward of a submodule of {name!r} (DeepSpeed gathers it there), read it "
+            f"inside `with self.trainer.strategy.gathered({name!r}):`, or edit or re-initialise it inside "
+            f"`with self.trainer.strategy.gathered({name!r}, modifier_rank=0):` (every rank enters the block)."
+        )
+
+    return refuse

@@ -35,6 +35,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_multids._blocks import refuse_partitioned_use
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat import torch as torch_compat
 from lightning_multids._compat.lightning import sync_module_states
@@ -49,7 +50,6 @@ from lightning_multids._config import (
 from lightning_multids._data import per_process_batch_size, train_loaders
 from lightning_multids._ema import Average, build_averager, check_averages
 from lightning_multids._engines import EngineSet
-from lightning_multids._gradients import from_own_code
 from lightning_multids._joined import called_modules, part_names
 from lightning_multids._planning import Plan, check_batch_settings, config_scheduler, plan_engines
 from lightning_multids._precision import autocast_off, cast_inputs, engine_dtype
@@ -325,7 +325,7 @@ def attach(name: str, engine: DeepSpeedEngine) -> list[RemovableHandle]:
             if any(True for _ in module.parameters(recurse=False))
         ]
         ds_compat.refuse_second_order(engine, _refuse_second_order(name))
-        handles += ds_compat.discover_external_parameters(engine, _refuse_partitioned_use(name))
+        handles += ds_compat.discover_external_parameters(engine, refuse_partitioned_use(name))
     return handles
 
 
@@ -348,30 +348,6 @@ def _refuse_second_order(name: str) -> Callable[[], None]:
             f"would fail or be wrong. Give {name!r}, and every engine the penalty runs through, ZeRO-0/1/2: "
             f"`engine_configs={{{name!r}: "
             '{"zero_optimization": {"stage": 2}}}`.'
-        )
-
-    return refuse
-
-
-def _refuse_partitioned_use(name: str) -> Callable[[str, str], None]:
-    """What user code meets when it reads a parameter of ZeRO-3 engine ``name`` outside every forward of the engine.
-
-    There the parameter is this rank's partition, an empty tensor, where DDP's is the whole weight: a product with
-    it fails in the user's code with torch's shape error, and an in-place ``nn.init`` (or ``reset_parameters()``)
-    changes nothing. Inside a forward of any submodule of the engine DeepSpeed gathers it, and inside ``gathered``
-    it is whole. Reads by torch (other than a ``reset_parameters``), DeepSpeed and the strategy pass.
-    """
-
-    def refuse(param: str, reader: str) -> None:
-        if from_own_code(reader) and "reset_parameters" not in reader:
-            return
-        raise RuntimeError(
-            f"`{param}` of engine {name!r} (ZeRO-3) was read outside every forward of {name!r} (in "
-            f"{reader or 'unknown code'}): there ZeRO-3 holds it as this rank's partition, an empty tensor, where "
-            "DDP's is the whole weight, so a computation with it fails and an in-place initialisation changes "
-            f"nothing. Use it inside the forward of a submodule of {name!r} (DeepSpeed gathers it there), read it "
-            f"inside `with self.trainer.strategy.gathered({name!r}):`, or edit or re-initialise it inside "
-            f"`with self.trainer.strategy.gathered({name!r}, modifier_rank=0):` (every rank enters the block)."
         )
 
     return refuse
