@@ -22,6 +22,7 @@ argument.
 
 from __future__ import annotations
 
+import traceback
 import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -401,3 +402,41 @@ def refuse_partitioned_use(name: str) -> Callable[[str, str], None]:
         )
 
     return refuse
+
+
+def note_partitioned_use(exception: BaseException, engines: Mapping[str, DeepSpeedEngine]) -> None:
+    """Add a note naming the fix to ``exception`` where user code computed with an empty ZeRO-3 partition.
+
+    Code that gets an engine's parameters without reading them as attributes (``unet.parameters()`` handed to
+    an EMA updater, as diffusers' ``EMAModel.step`` takes them) passes the attribute-read refusal
+    (:func:`refuse_partitioned_use`); outside a forward of the engine each is this rank's partition, an empty tensor,
+    and the first product with it fails with torch's shape error in that code. Where such a parameter is a local of
+    a frame of the traceback outside torch, DeepSpeed and the strategy, the error gets a note naming the parameter,
+    its engine and ``gathered``. Read after the fact, on the exception's way out of the fit: the step pays nothing.
+    """
+    if not isinstance(exception, (RuntimeError, IndexError)):
+        return
+    named = {
+        param: (name, key)
+        for name, engine in engines.items()
+        if engine.zero_optimization_partition_weights()
+        for key, param in engine.module.named_parameters()
+        if ds_compat.is_empty_partition(param)
+    }
+    found = None
+    for frame, line in traceback.walk_tb(exception.__traceback__):
+        if from_own_code(frame.f_globals.get("__name__", "")):
+            continue
+        for local, value in frame.f_locals.items():
+            if isinstance(value, nn.Parameter) and value in named:
+                found = (local, value, f"{frame.f_code.co_qualname} ({frame.f_code.co_filename}:{line})")
+    if found is None:
+        return
+    local, param, where = found
+    name, key = named[param]
+    exception.add_note(
+        f"MultiDeepSpeedStrategy: `{local}` in {where} is `{key}` of engine {name!r} (ZeRO-3). Outside every "
+        f"forward of {name!r} ZeRO-3 holds it as this rank's partition, an empty tensor, where DDP's is the whole "
+        f"weight. Use the weights inside `with self.trainer.strategy.gathered({name!r}):` (every rank enters the "
+        f"block); an average of {name!r} is kept by `MultiDeepSpeedStrategy(ema=...)` (docs/ema.md)."
+    )

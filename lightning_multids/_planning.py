@@ -357,7 +357,7 @@ def check_disjoint(
                     "one turns their gradients off, a ZeRO-3 one partitions them), so the shared layer would stop "
                     f"training or fail inside DeepSpeed. If {name!r} only reuses the layer, remove its "
                     "`engine_configs` entry (it then runs as a plain submodule); otherwise give it its own copy "
-                    "(`copy.deepcopy`)."
+                    f"(`copy.deepcopy`). {_AVERAGE_ADVICE.format(source=other)}"
                 )
     held = {id(part) for engine_module in engines.values() for part in called_modules(engine_module)}
     for name, child in module.named_children():
@@ -369,9 +369,15 @@ def check_disjoint(
                 raise ValueError(
                     f"The plain submodule {name!r} shares a parameter with the ZeRO-3 engine {holder!r}, which "
                     f"partitions it: {name!r} would run on a copy that does not train. Give {holder!r} ZeRO-0/1/2 "
-                    f"in `engine_configs`, or call the shared layer through `self.{holder}` in the forward."
+                    f"in `engine_configs`, or call the shared layer through `self.{holder}` in the forward. "
+                    + _AVERAGE_ADVICE.format(source=holder)
                 )
 
+
+_AVERAGE_ADVICE = (
+    "Where it keeps a moving average of {source!r} (ema-pytorch's `EMA` holds its source as `online_model`), keep "
+    "the average with `MultiDeepSpeedStrategy(ema=...)` (docs/ema.md), which updates it at any ZeRO stage."
+)
 
 PRECISIONS = ("bf16", "fp16")
 

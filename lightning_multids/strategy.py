@@ -29,7 +29,15 @@ from typing_extensions import override
 from lightning_multids import _accelerator as ds_accelerator
 from lightning_multids import _loading as loading
 from lightning_multids import checkpoint as checkpoints
-from lightning_multids._blocks import Arrival, check_modifier_rank, gathered, keep_edits, no_sync, offloaded
+from lightning_multids._blocks import (
+    Arrival,
+    check_modifier_rank,
+    gathered,
+    keep_edits,
+    no_sync,
+    note_partitioned_use,
+    offloaded,
+)
 from lightning_multids._compat import deepspeed as ds_compat
 from lightning_multids._compat import torch as torch_compat
 from lightning_multids._compat.lightning import (
@@ -774,12 +782,14 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         close, so they stop too (tested: all exit non-zero within seconds, no hang).
         """
         broken = torch_compat.peer_failed(exception)
+        note_partitioned_use(exception, self._engine_set.engines)
         self._failed = True  # teardown does not keep this fit's engines for saving
         self.release()  # nor an earlier fit's: this one may have failed before its setup released them
         reason = "a collective failed, most likely because another rank stopped (see its output)" if broken else ""
         log.error(  # every rank's own message, not rank zero's: which rank failed is the point
             f"[rank {self.global_rank}] MultiDeepSpeedStrategy: {type(exception).__name__}: {exception}"
             + (f" -- {reason}" if reason else "")
+            + "".join(f"\n{note}" for note in getattr(exception, "__notes__", ()))
         )
         with contextlib.suppress(AttributeError):  # the command then shows no second copy of the message
             exception.lightning_multids_logged = True  # type: ignore[attr-defined]

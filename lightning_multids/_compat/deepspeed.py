@@ -1065,6 +1065,11 @@ def is_gathered(param: torch.nn.Parameter) -> bool:
     return bool(param.ds_status == ZeroParamStatus.AVAILABLE)  # type: ignore[attr-defined]
 
 
+def is_empty_partition(param: torch.Tensor) -> bool:
+    """Whether ZeRO-3 ``param`` holds only this rank's partition now (``ds_status`` NOT_AVAILABLE: an empty tensor)."""
+    return getattr(param, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
+
+
 def in_use(param: torch.Tensor) -> bool:
     """Whether a forward or backward of a submodule that holds ZeRO-3 ``param`` runs now (``ds_active_sub_modules``).
 

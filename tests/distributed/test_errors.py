@@ -92,6 +92,14 @@ def reset_outside_forward(module: GAN, batch: torch.Tensor) -> torch.Tensor:
     return returns_loss(module, batch)
 
 
+def average_outside_forward(module: GAN, batch: torch.Tensor) -> torch.Tensor:
+    """An EMA over ``discriminator.parameters()`` as diffusers' ``EMAModel.step`` computes it, outside every forward."""
+    shadows = module.__dict__.setdefault("shadows", [torch.zeros(16, 6), torch.zeros(16)])
+    for shadow, param in zip(shadows, module.discriminator.parameters(), strict=False):
+        shadow.sub_(0.1 * (shadow - param))
+    return returns_loss(module, batch)
+
+
 def detached_loss(module: GAN, batch: torch.Tensor) -> None:
     real, z = patterns.split(batch)
     loss = module.discriminator(module.generator(z).detach()).detach().requires_grad_().mean()
@@ -494,6 +502,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
             ("tied", tied_outside_forward),
             ("init", init_outside_forward),
             ("reset", reset_outside_forward),
+            ("average", average_outside_forward),
         )
     },
 }
@@ -560,7 +569,7 @@ def run_scenarios() -> dict[str, Any]:
         try:
             trainer.fit(make_module())
         except (ValueError, RuntimeError) as err:
-            messages[name] = str(err).replace("\n", " ")
+            messages[name] = " ".join([str(err), *getattr(err, "__notes__", ())]).replace("\n", " ")
         else:
             messages[name] = "no error"
     weights = {name: nan_run(name, messages) for name in NAN_RUNS}
@@ -635,11 +644,13 @@ EXPECTED = {
     r"Remove its entry",
     **{
         f"shared_frozen{p}_trained{d}": r"engines 'discriminator' and 'probe' share a parameter.*frozen one turns "
-        r"their gradients off.*If 'probe' only reuses the layer, remove its `engine_configs` entry"
+        r"their gradients off.*If 'probe' only reuses the layer, remove its `engine_configs` entry.*moving average of "
+        r"'discriminator'.*`MultiDeepSpeedStrategy\(ema=...\)`"
         for p, d in [(0, 2), (3, 3), (3, 2), (2, 0)]
     },
     "shared_plain_trained3": r"plain submodule 'probe' shares a parameter with the ZeRO-3 engine 'discriminator'.*"
-    r"copy that does not train. Give 'discriminator' ZeRO-0/1/2",
+    r"copy that does not train. Give 'discriminator' ZeRO-0/1/2.*moving average of 'discriminator'.*"
+    r"`MultiDeepSpeedStrategy\(ema=...\)`",
     "shared_plain_trained0": r"^no error$",  # ZeRO-0 fills the discriminator's unreached parameters with zeros
     "shared_plain_trained2": r"reached engine 'discriminator' but not all of its trained parameters \(2.weight, "
     r"2.bias\).*find_unused_parameters=True",
@@ -683,6 +694,9 @@ EXPECTED = {
             ("reset", r"2\.weight", r"torch\.nn\.modules\.linear\.reset_parameters"),
         )
     },
+    "average_outside_forward_zero3": r"The size of tensor a \(6\) must match the size of tensor b \(0\).* "
+    r"MultiDeepSpeedStrategy: `param` in average_outside_forward \(.*test_errors\.py:\d+\) is `0\.weight` of "
+    r"engine 'discriminator' \(ZeRO-3\).*an empty tensor.*gathered\('discriminator'\).*ema=",
 }
 
 

@@ -7,9 +7,10 @@ import pickle
 
 import pytest
 import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from torch import nn
 
-from lightning_multids._blocks import refuse_partitioned_weights
+from lightning_multids._blocks import note_partitioned_use, refuse_partitioned_weights
 from lightning_multids._compat.torch import ParameterGuard
 
 
@@ -63,3 +64,51 @@ def test_setting_data_to_itself_changes_nothing_and_passes() -> None:
     with pytest.raises(RuntimeError, match=f"set from {__name__}"):
         layer.weight.data = same.t()  # the same memory, other strides: a change
     guard.close()
+
+
+class _Zero3Engine:
+    """What ``note_partitioned_use`` reads of a ZeRO-3 engine: its module and that it partitions its weights."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return True
+
+
+def _partitioned_layer() -> nn.Linear:
+    layer = nn.Linear(2, 2)
+    layer.weight.ds_status = ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]
+    return layer
+
+
+def _average(shadow: torch.Tensor, params: object, error: type[Exception] = RuntimeError) -> None:
+    for param in params:  # type: ignore[attr-defined]  # a frame of user code holding the parameter as a local
+        if error is not RuntimeError:
+            raise error("not a computation")
+        shadow.sub_(param)
+
+
+@pytest.mark.parametrize(
+    ("error", "noted"), [(RuntimeError, True), (ValueError, False)], ids=["shape_error", "other_error"]
+)
+def test_an_error_where_user_code_held_an_empty_partition_gets_a_note(error: type[Exception], noted: bool) -> None:
+    layer = _partitioned_layer()
+    layer.weight.data = torch.empty(0)
+    with pytest.raises(error) as caught:
+        _average(torch.zeros(2, 2), [layer.weight], error)
+    note_partitioned_use(caught.value, {"net": _Zero3Engine(layer)})  # type: ignore[dict-item]
+    notes = getattr(caught.value, "__notes__", [])
+    assert bool(notes) is noted, notes
+    if noted:
+        assert "`param` in _average" in notes[0] and "`weight` of engine 'net' (ZeRO-3)" in notes[0], notes
+        assert "gathered('net')" in notes[0], notes
+
+
+def test_no_note_where_only_torch_held_the_partition() -> None:
+    layer = _partitioned_layer()
+    layer.weight.data = torch.empty(0)
+    with pytest.raises(RuntimeError) as caught:
+        torch.zeros(2, 2).sub_(layer.weight)  # no frame of user code holds it as a local
+    note_partitioned_use(caught.value, {"net": _Zero3Engine(layer)})  # type: ignore[dict-item]
+    assert not getattr(caught.value, "__notes__", []), "a note needs a local of user code to name"
