@@ -63,6 +63,18 @@ class Compiled(GAN):
         self.generator = torch.compile(self.generator)  # type: ignore[assignment]
 
 
+class BuiltInConfigureModel(GAN):
+    """Both submodules built in ``configure_model`` (ZeRO-3 ones under ``zero.Init``), one optimizer over both."""
+
+    def __init__(self) -> None:
+        super().__init__(returns_loss, "spanning")
+        del self.generator, self.discriminator
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "generator"):
+            self.generator, self.discriminator = patterns.make_modules()
+
+
 def gathers_by_rank(module: GAN, batch: torch.Tensor) -> None:
     """Rank 0 gathers the generator while rank 1 gathers the discriminator."""
     with module.trainer.strategy.gathered(("generator", "discriminator")[module.global_rank]):
@@ -417,6 +429,10 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         lambda: GAN(returns_loss, "spanning"),
         {"engine_configs": {"discriminator": {"zero_optimization": {"stage": 3}}}},
     ),
+    "spanning_optimizer_part_built_partitioned": (  # the part's own config (the default) is ZeRO-3, the engine's not
+        BuiltInConfigureModel,
+        {"stage": 3, "engine_configs": {"generator": {"zero_optimization": {"stage": 0}}}},
+    ),
     "unknown_engine_key": (lambda: GAN(returns_loss), {"engine_configs": {"critic": {}}}),
     "optimizer_in_both": (lambda: GAN(), {"engine_configs": {"discriminator": {"optimizer": {"type": "SGD"}}}}),
     "fp16_on_cpu": (lambda: GAN(), {"engine_configs": {"generator": {"fp16": {"enabled": True}}}}),
@@ -581,6 +597,9 @@ EXPECTED = {
     "spanning_optimizer": r"^no error$",  # one engine over both, named 'generator'
     "spanning_optimizer_entry_of_a_part": r"`engine_configs` has an entry for 'discriminator', which one optimizer "
     r"trains with 'generator', 'discriminator'.*one DeepSpeed engine, named 'generator'.*Key the entry 'generator'",
+    "spanning_optimizer_part_built_partitioned": r"engine 'generator' \(one optimizer over 'generator', "
+    r"'discriminator'\) runs ZeRO-0, but \['discriminator'\] were built partitioned under `zero.Init`.*key the stage "
+    r"in the `engine_configs` entry 'generator' and in the strategy's `stage=` alike",
     "unknown_engine_key": r"entry for 'critic'.*no submodule of that name",
     "optimizer_in_both": r"engine .discriminator. gets an optimizer from `configure_optimizers` and its DeepSpeed",
     "fp16_on_cpu": r"engine 'generator' enables fp16, which DeepSpeed does not run on a CPU.*bf16-mixed",
