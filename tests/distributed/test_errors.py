@@ -272,6 +272,12 @@ def reads_inside_no_sync(module: GAN, batch: torch.Tensor) -> None:
         module.trainer.strategy.full_gradients("discriminator")
 
 
+def reads_full_gradients(module: GAN, batch: torch.Tensor) -> None:
+    real, z = patterns.split(batch)
+    module.manual_backward(module.discriminator(module.generator(z)).mean())
+    module.trainer.strategy.full_gradients("discriminator")
+
+
 def nan_in_discriminator(module: GAN, batch: torch.Tensor) -> None:
     """gan_zero_first, with a NaN in the discriminator's loss on rank 1 from the second batch on."""
     opt_g, opt_d = module.optimizers()
@@ -512,6 +518,16 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         },
     ),
     **{f"full_gradients_in_no_sync_zero{s}": (lambda: GAN(reads_inside_no_sync), {"stage": s}) for s in (2, 3)},
+    "full_gradients_offloaded_zero2": (
+        lambda: GAN(reads_full_gradients),
+        {
+            "stage": 2,
+            "engine_configs": {
+                "discriminator": {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+            },
+            "config": {"zero_force_ds_cpu_optimizer": False},
+        },
+    ),
     **{
         f"{use}_outside_forward_zero3": (lambda step=step: GAN(step), {"stage": 3, "config": ALL_PARTITIONED})
         for use, step in (
@@ -698,6 +714,9 @@ EXPECTED = {
         for kind in ("", "frozen_", "a_child_", "its_forward_")
     },
     "penalty_at_the_output_of_zero3": r"^no error$",
+    "full_gradients_offloaded_zero2": r"`full_gradients\('discriminator'\)` cannot read the ZeRO-2 engine "
+    r"'discriminator' with `zero_optimization.offload_optimizer` set.*Remove the setting from that engine's config, "
+    r"or use ZeRO-1 or ZeRO-3 for it",
     **{  # at ZeRO-3 the block's exception path then clears whole local gradients (ZeRO-3's zero_grad failed on them)
         f"full_gradients_in_no_sync_zero{stage}": rf"`full_gradients\('discriminator'\)` inside `strategy.no_sync"
         rf"\(...\)`: the ZeRO-{stage} engine .*Read them after the `with` block"
