@@ -93,7 +93,7 @@ def plan_engines(
     optimizers, scheduler_configs = collect_optimizers(trainer, module, len(from_config))
     parts = match_parts(module, optimizers)
     matched = {names[0]: index for index, names in enumerate(parts)}
-    _check_part_entries(parts, overrides)
+    _check_part_entries(parts, overrides, module, optimizers)
     modules = {name: getattr(module, name) for name in module_names(module, overrides)}
     modules.update({names[0]: _engine_module(module, names) for names in parts})
     for name, index in matched.items():
@@ -135,18 +135,36 @@ def _engine_module(module: nn.Module, parts: Sequence[str]) -> nn.Module:
     return Joined({part: getattr(module, part) for part in parts})
 
 
-def _check_part_entries(parts: Sequence[tuple[str, ...]], overrides: Mapping[str, Any]) -> None:
+def _check_part_entries(
+    parts: Sequence[tuple[str, ...]], overrides: Mapping[str, Any], module: nn.Module, optimizers: Sequence[Optimizer]
+) -> None:
     """Refuse an ``engine_configs`` entry for a submodule that is a later part of an engine over several."""
-    for names in parts:
+    for names, optimizer in zip(parts, optimizers, strict=False):
         for part in names[1:]:
             if part in overrides:
                 listed = ", ".join(repr(name) for name in names)
                 raise ValueError(
                     f"`engine_configs` has an entry for {part!r}, which one optimizer trains with {listed}: they form "
-                    f"one DeepSpeed engine, named {names[0]!r} (its first part), with one config. Key the entry "
-                    f"{names[0]!r} (merge the two entries there), or give {part!r} an optimizer of its own in "
-                    "`configure_optimizers` for an engine of its own."
+                    f"one DeepSpeed engine, named {names[0]!r} (its first part), with one config."
+                    f"{_through_shared(names, module, optimizer)} Key the entry {names[0]!r} (merge the two entries "
+                    f"there), or give {part!r} an optimizer of its own in `configure_optimizers` for an engine of its "
+                    "own."
                 )
+
+
+def _through_shared(names: Sequence[str], module: nn.Module, optimizer: Optimizer) -> str:
+    """Where a part is in the optimizer only through parameters another part shares with it, a sentence saying so."""
+    stepped = {param for group in optimizer.param_groups for param in group["params"]}
+    held = {name: set(getattr(module, name).parameters()) & stepped for name in names}
+    for name in names:
+        others = set().union(*(params for other, params in held.items() if other != name))
+        if held[name] <= others:
+            sharers = [other for other in names if other != name and held[other] & held[name]]
+            return (
+                f" {name!r} is in it only through parameters that {', '.join(repr(s) for s in sharers)} shares with "
+                f"it (a layer both hold): the optimizer trains that layer, as under DDP."
+            )
+    return ""
 
 
 def collect_optimizers(

@@ -396,6 +396,17 @@ class WithProbe(GAN):
         self.probe = torch.nn.Sequential(self.discriminator[0])
 
 
+class ProbeOnOneOptimizer(GAN):
+    """A probe over the discriminator's first layer and a head of its own, one optimizer over the probe's parameters."""
+
+    def __init__(self) -> None:
+        super().__init__(returns_loss)
+        self.probe = torch.nn.Sequential(self.discriminator[0], torch.nn.Linear(16, 1))
+
+    def configure_optimizers(self) -> object:
+        return [torch.optim.SGD(self.generator.parameters(), lr=0.1), torch.optim.SGD(self.probe.parameters(), lr=0.1)]
+
+
 def trains_through_probe(module: GAN, batch: torch.Tensor) -> None:
     """A plain submodule reusing a ZeRO-0/1/2 engine's layer: the loss reaches that engine through it, as under DDP."""
     real, _ = patterns.split(batch)
@@ -439,6 +450,7 @@ SCENARIOS: dict[str, tuple[Callable[[], GAN], dict]] = {
         BuiltInConfigureModel,
         {"stage": 3, "engine_configs": {"generator": {"zero_optimization": {"stage": 0}}}},
     ),
+    "spanning_optimizer_shared_layer": (ProbeOnOneOptimizer, {"engine_configs": {"probe": {}}}),
     "unknown_engine_key": (lambda: GAN(returns_loss), {"engine_configs": {"critic": {}}}),
     "optimizer_in_both": (lambda: GAN(), {"engine_configs": {"discriminator": {"optimizer": {"type": "SGD"}}}}),
     "fp16_on_cpu": (lambda: GAN(), {"engine_configs": {"generator": {"fp16": {"enabled": True}}}}),
@@ -616,6 +628,9 @@ EXPECTED = {
     "spanning_optimizer_part_built_partitioned": r"engine 'generator' \(one optimizer over 'generator', "
     r"'discriminator'\) runs ZeRO-0, but \['discriminator'\] were built partitioned under `zero.Init`.*key the stage "
     r"in the `engine_configs` entry 'generator' and in the strategy's `stage=` alike",
+    "spanning_optimizer_shared_layer": r"entry for 'probe', which one optimizer trains with 'discriminator', "
+    r"'probe'.*'discriminator' is in it only through parameters that 'probe' shares with it.*Key the entry "
+    r"'discriminator'",
     "unknown_engine_key": r"entry for 'critic'.*no submodule of that name",
     "optimizer_in_both": r"engine .discriminator. gets an optimizer from `configure_optimizers` and its DeepSpeed",
     "fp16_on_cpu": r"engine 'generator' enables fp16, which DeepSpeed does not run on a CPU.*bf16-mixed",
