@@ -7,7 +7,12 @@ import os
 from pathlib import Path
 from unittest import mock
 
+import lightning.pytorch as pl
 import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids.cli import MultiDeepSpeedCLI
@@ -62,3 +67,41 @@ def test_a_wrong_strategy_argument_is_refused_at_parse_time(tmp_path: Path, monk
     bad.write_text((REPO / "configs" / "gan.yaml").read_text().replace("stage: 2", "stages: 2"))
     with pytest.raises(SystemExit):
         parse(bad)
+
+
+def _checkpoint_callbacks(path: Path, dirpath: Path) -> list[ModelCheckpoint]:
+    callbacks = yaml.safe_load(path.read_text())["trainer"].get("callbacks") or []
+    return [
+        ModelCheckpoint(**{**(entry.get("init_args") or {}), "dirpath": dirpath})
+        for entry in callbacks
+        if entry["class_path"] == "lightning.pytorch.callbacks.ModelCheckpoint"
+    ]
+
+
+class Worsening(BoringModel):
+    """Logs ``metric`` worse each epoch (for ``mode``): the first epoch stays the best."""
+
+    def __init__(self, metric: str, mode: str) -> None:
+        super().__init__()
+        self.metric, self.sign = metric, 1.0 if mode == "min" else -1.0
+
+    def validation_step(self, batch: object, batch_idx: int) -> None:
+        self.log(self.metric, self.sign * float(self.current_epoch))
+
+
+RESUMED = [p for p in CONFIGS if any(c.save_last or c.filename == "last" for c in _checkpoint_callbacks(p, p))]
+
+
+@pytest.mark.parametrize("path", RESUMED, ids=lambda p: p.name)
+def test_last_checkpoint_holds_the_last_epoch_not_the_best(path: Path, tmp_path: Path) -> None:
+    """What ``--ckpt_path last`` resumes from: Lightning 2.6 writes ``save_last`` only when it saves a checkpoint."""
+    callbacks = _checkpoint_callbacks(path, tmp_path)
+    watched = next((c for c in callbacks if c.monitor), None)
+    module = Worsening(watched.monitor, watched.mode) if watched else BoringModel()
+    trainer = pl.Trainer(
+        max_epochs=3, limit_train_batches=1, limit_val_batches=1, callbacks=callbacks, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module)
+    last = tmp_path / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
+    assert torch.load(last, weights_only=True)["epoch"] == 2
