@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 
@@ -67,6 +68,27 @@ class AutoencoderGAN(pl.LightningModule):
         return sharded_loader(self, regression_data(STEPS, PER_RANK), batch_size=PER_RANK)
 
 
+class Validated(AutoencoderGAN):
+    """Validated after its fit: the reconstruction error of the trained encoder and decoder, over the ranks."""
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val/loss", (self.decoder(self.encoder(batch)) - batch).pow(2).mean(), sync_dist=True)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self.train_dataloader()
+
+
+def validate_after_fit(case: str) -> float:
+    """``trainer.validate`` after a fit of ``case`` (no validation inside the fit): what the user reads."""
+    options = {"use_distributed_sampler": False, "enable_checkpointing": False, "max_epochs": EPOCHS}
+    trainer = cpu_trainer(
+        MultiDeepSpeedStrategy(**CASES[case]), check_val_every_n_epoch=EPOCHS + 1, num_sanity_val_steps=0, **options
+    )
+    module = Validated()
+    trainer.fit(module)
+    return float(trainer.validate(module, verbose=False)[0]["val/loss"])
+
+
 CASES = {  # name: strategy arguments
     "zero0": {"stage": 0},
     "zero2": {"stage": 2},
@@ -89,6 +111,7 @@ def fit(case: str, epochs: int, folder: str, save: str | None = None, resume: st
 
 def run(folder: str) -> dict:
     results = {case: fit(case, EPOCHS, folder) for case in CASES}
+    results["validated_zero3"] = validate_after_fit("zero3")
     for case in RESUMED:
         results[f"{case}_first"] = fit(case, 1, folder, save=f"{case}.ckpt")
         results[f"{case}_resumed"] = fit(case, EPOCHS, folder, resume=f"{case}.ckpt")
@@ -106,6 +129,19 @@ def reference(epochs: int) -> dict[str, torch.Tensor]:
     return {f"{name}.{key}": value for name, part in parts.items() for key, value in part.state_dict().items()}
 
 
+def reference_validation() -> float:
+    """The mean reconstruction error over the global batches, after the unbroken fit."""
+    encoder, decoder, _ = make_parts()
+    whole = reference(EPOCHS)
+    encoder.load_state_dict({k.split(".", 1)[1]: v for k, v in whole.items() if k.startswith("encoder.")})
+    decoder.load_state_dict({k.split(".", 1)[1]: v for k, v in whole.items() if k.startswith("decoder.")})
+    data = regression_data(STEPS, PER_RANK)
+    batches = [global_batch(data, step, PER_RANK) for step in range(STEPS)]
+    with torch.no_grad():
+        losses = [(decoder(encoder(batch)) - batch).pow(2).mean() for batch in batches]
+    return float(torch.stack(losses).mean())
+
+
 def assert_weights(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
     assert list(found) == list(expected), what
     for key, value in expected.items():
@@ -120,6 +156,7 @@ def test_one_optimizer_over_two_submodules_trains_saves_resumes_and_exports_as_w
         assert results[case]["engines"] == ["disc", "encoder"], case
         assert list(results[case]["weights"]) == keys, case
         assert_weights(results[case]["weights"], whole, case)
+    assert results["validated_zero3"] == pytest.approx(reference_validation(), rel=1e-5), "validate after ZeRO-3"
     for case in RESUMED:
         assert_weights(results[f"{case}_first"]["weights"], first, f"{case} after 1 epoch")
         assert_weights(results[f"{case}_resumed"]["weights"], whole, f"{case} resumed")
