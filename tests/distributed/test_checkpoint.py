@@ -17,6 +17,7 @@ import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -83,6 +84,28 @@ def test_resume_with_weights_only_true_is_bitwise_exact(tmp_path: Path) -> None:
         with torch.serialization.safe_globals(checkpoint_globals()):
             for file in files:
                 torch.load(file, weights_only=True)
+
+
+def test_single_file_checkpoint_loads_with_torch_and_lightning_and_resumes_bitwise_exactly(tmp_path: Path) -> None:
+    """``checkpoint_format="file"``: each save is one file; ``torch.load(weights_only=True)`` reads it with Lightning's
+    keys and the whole weights keyed as in the module, ``load_from_checkpoint`` loads them, and ``fit(ckpt_path=...)``
+    resumes exactly at ZeRO 0, 2 and 3 beside a frozen ZeRO-3 teacher and an EMA student (``weights_only=True``)."""
+    options = ResumeOptions(ema=True, weights_only=True, checkpoint_format="file")
+    ranks = on_ranks(resume_runs, tmp_path, "distill", [0, 2, 3], options, timeout=600)  # ZeRO-1 saves as ZeRO-2
+    for rank, results in enumerate(ranks):
+        assert_resumed_exactly(results, f"distill with an EMA, one file, rank {rank}")
+        assert all(result["straight"]["parts"] == ["student", "student_ema", "teacher"] for result in results.values())
+    lightning_keys = {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "epoch", "global_step"}
+    for stage, result in ranks[0].items():
+        first = tmp_path / f"distill-{stage}" / "first"
+        assert sorted(p.name for p in first.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"], stage  # no leftovers
+        saved = torch.load(first / "last.ckpt", weights_only=True)
+        assert lightning_keys <= saved.keys() and saved["global_step"] == 2, stage
+        weights = result["first"]["weights"]
+        assert saved["state_dict"].keys() == weights.keys(), stage
+        assert all(torch.equal(saved["state_dict"][k], v) for k, v in weights.items()), stage
+        loaded = Resumable.load_from_checkpoint(first / "last.ckpt", case="distill", ema=True).state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in weights.items()), stage
 
 
 @pytest.mark.parametrize(("saved", "resumed"), [(1, 2), (2, 1)])
@@ -268,6 +291,7 @@ def fit_resumable(
     ema: bool = False,
     weights_only: bool = False,
     inside_gathered: bool = False,
+    checkpoint_format: str = "directory",
 ) -> dict:
     """Fit ``case`` at ``stage`` for ``epochs`` under ``root``, from ``ckpt_path`` if given; what it ended with.
 
@@ -278,7 +302,13 @@ def fit_resumable(
     module = Resumable(case, ema=ema)
     engines = {"teacher": {"zero_optimization": {"stage": 3}}} if case == "distill" else {}
     averages = {"student_ema": ("student", 0.9)} if ema else None
-    strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=engines, save_frozen=case == "distill", ema=averages)
+    strategy = MultiDeepSpeedStrategy(
+        stage=stage,
+        engine_configs=engines,
+        save_frozen=case == "distill",
+        ema=averages,
+        checkpoint_format=checkpoint_format,  # type: ignore[arg-type]
+    )
     optimizers_at_end = AtFitEnd(lambda s: [t for opt in s.optimizers for t in optimizer_state(opt.engine)])
     trainer = cpu_trainer(
         strategy,
@@ -299,8 +329,16 @@ def fit_resumable(
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "files": sorted(p.name for p in root.iterdir()),
-        "parts": sorted(p.name for p in (root / "last.ckpt" / "engines").iterdir()),
+        "parts": saved_parts(root / "last.ckpt"),
     }
+
+
+def saved_parts(path: Path) -> list[str]:
+    """The engines a checkpoint directory, or a single-file checkpoint, holds a part of."""
+    if path.is_dir():
+        return sorted(p.name for p in (path / "engines").iterdir())
+    files = torch.load(path, weights_only=True)["multids"]["files"]
+    return sorted({name.split("/")[1] for name in files if name.startswith("engines/")})
 
 
 @dataclass(frozen=True)
@@ -314,6 +352,7 @@ class ResumeOptions:
     after_fit: bool = False  # saves the first epoch with trainer.save_checkpoint after fit returns
     resume_stage: int | None = None  # resumes at this ZeRO stage, not the stage saved
     resume_bf16: bool | None = None  # resumes in bf16-mixed (True) or fp32 (False), not the precision saved
+    checkpoint_format: str = "directory"  # MultiDeepSpeedStrategy(checkpoint_format=...) of every fit
     straight: bool = True  # False: no straight run
 
 
@@ -324,14 +363,15 @@ def resume_runs(root: Path, case: str, stages: list[int], options: ResumeOptions
     ``save_frozen=True``, Adam student). The first epoch is saved by ``ModelCheckpoint(save_last=True)``, or as
     ``options`` say. Returns {stage: {"straight": ..., "resumed": ...}}, each what :func:`fit_resumable` returned.
     """
-    flags = {"bf16": options.bf16, "ema": options.ema, "weights_only": options.weights_only}
+    flags: dict[str, Any] = {"bf16": options.bf16, "ema": options.ema, "weights_only": options.weights_only}
     flags["inside_gathered"] = options.inside_gathered
+    flags["checkpoint_format"] = options.checkpoint_format
     saved = "after-fit.ckpt" if options.after_fit else "last.ckpt"
     results = {}
     for stage in stages:
         folder = root / f"{case}-{stage}"
         plain = fit_resumable(case, stage, 2, folder / "straight", **flags) if options.straight else None
-        fit_resumable(case, stage, 1, folder / "first", save_after=options.after_fit, **flags)
+        first = fit_resumable(case, stage, 1, folder / "first", save_after=options.after_fit, **flags)
         resumed = fit_resumable(
             case,
             stage if options.resume_stage is None else options.resume_stage,
@@ -340,7 +380,7 @@ def resume_runs(root: Path, case: str, stages: list[int], options: ResumeOptions
             ckpt_path=str(folder / "first" / saved),
             **{**flags, "bf16": options.bf16 if options.resume_bf16 is None else options.resume_bf16},
         )
-        results[stage] = {"straight": plain, "resumed": resumed}
+        results[stage] = {"straight": plain, "first": first, "resumed": resumed}
     return results
 
 
@@ -456,9 +496,12 @@ class StartEpoch(pl.Callback):
 
 
 def train(root: Path) -> dict[str, torch.Tensor] | None:
-    """On each rank: 1 epoch of the GAN at ZeRO-3 with ModelCheckpoint; rank 0 returns the live weights."""
+    """On each rank: 1 epoch of the GAN at ZeRO-3 with ModelCheckpoint, then ROOT/single.ckpt saved after fit as one
+    file (``checkpoint_format="file"``); rank 0 returns the live weights."""
     t = trainer(root, 1)
     t.fit(GAN())
+    t.strategy.checkpoint_format = "file"  # type: ignore[attr-defined]
+    t.save_checkpoint(root / "single.ckpt")
     weights = t.strategy.consolidated_state_dict()
     return weights if t.global_rank == 0 else None
 
@@ -480,11 +523,12 @@ def resume(root: Path, ckpt_path: str) -> dict[str, int] | None:
     return {"start_epoch": start.value, "epoch": t.current_epoch, "step": t.global_step} if t.global_rank == 0 else None
 
 
-def validate(root: Path) -> dict[str, float]:
-    """On each rank: ``trainer.validate(ckpt_path=ROOT/ckpts/last.ckpt)`` in a fresh process; its metrics."""
-    (metrics,) = cpu_trainer(MultiDeepSpeedStrategy(stage=3)).validate(
-        GAN(), ckpt_path=str(root / "ckpts" / "last.ckpt")
-    )
+def validate(root: Path) -> dict[str, dict[str, float]]:
+    """On each rank: ``trainer.validate(ckpt_path=...)`` in a fresh process, from ROOT/ckpts/last.ckpt (a directory)
+    and from ROOT/single.ckpt (one file); the metrics of each, by file name."""
+    metrics = {}
+    for path in (root / "ckpts" / "last.ckpt", root / "single.ckpt"):
+        (metrics[path.name],) = cpu_trainer(MultiDeepSpeedStrategy(stage=3)).validate(GAN(), ckpt_path=str(path))
     return metrics
 
 
@@ -594,10 +638,42 @@ def test_export_as_one_lightning_file_loads_with_load_from_checkpoint(trained: P
     with pytest.raises(IsADirectoryError):  # Lightning's own, as under DeepSpeedStrategy: a checkpoint is a directory
         GAN.load_from_checkpoint(last)
     assert export(last, tmp_path, format="lightning") == [tmp_path / "model.ckpt"]
-    loaded, live = GAN.load_from_checkpoint(tmp_path / "model.ckpt"), torch.load(trained / "live.pt")
+    assert_live_weights(GAN.load_from_checkpoint(tmp_path / "model.ckpt"), trained)
+
+
+def assert_live_weights(loaded: pl.LightningModule, trained: Path) -> None:
+    live = torch.load(trained / "live.pt")
     assert loaded.state_dict().keys() == live.keys()  # strict loading also refused a missing or unexpected key
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, live[key]), key
+
+
+def test_load_from_checkpoint_reads_a_directory_through_as_file_and_a_single_file_checkpoint(trained: Path) -> None:
+    """``Model.load_from_checkpoint`` opens one file: ``as_file(directory)`` is one, in memory; a checkpoint saved
+    with ``checkpoint_format="file"`` (after fit, at ZeRO-3) is one on disk, that ``torch.load`` reads too."""
+    from lightning_multids.checkpoint import as_file
+
+    assert_live_weights(GAN.load_from_checkpoint(as_file(trained / "ckpts" / "last.ckpt")), trained)
+    single = trained / "single.ckpt"
+    assert single.is_file() and not list(trained.glob("single.ckpt.*"))  # nothing left beside it
+    assert_live_weights(GAN.load_from_checkpoint(single), trained)
+    assert_live_weights(GAN.load_from_checkpoint(as_file(single)), trained)
+    saved = torch.load(single, weights_only=True)
+    assert saved["global_step"] == 4 and len(saved["optimizer_states"]) == 2 and "loops" in saved
+
+
+def test_export_and_consolidated_state_dicts_read_a_single_file_checkpoint(trained: Path, tmp_path: Path) -> None:
+    from lightning_multids.checkpoint import consolidated_state_dicts, export
+
+    single, directory = trained / "single.ckpt", trained / "ckpts" / "last.ckpt"
+    assert single.is_file()
+    for name, state in consolidated_state_dicts(directory).items():
+        assert all(torch.equal(value, consolidated_state_dicts(single)[name][k]) for k, value in state.items()), name
+    written = export(single, tmp_path)
+    assert sorted(p.name for p in written) == ["discriminator.pt", "generator.pt", "plain.pt"]
+    live = torch.load(trained / "live.pt")
+    for key, value in torch.load(tmp_path / "generator.pt").items():
+        assert torch.equal(value, live[f"generator.{key}"]), key
 
 
 def test_export_command_line(trained: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -652,7 +728,9 @@ def test_validate_from_a_checkpoint_in_a_fresh_process(trained: Path) -> None:
     discriminator.load_state_dict({k.split(".", 1)[1]: v for k, v in live.items() if k.startswith("discriminator.")})
     _, z = patterns.split(patterns.make_batches(2))
     expected = discriminator(generator(z)).mean().item()
-    assert metrics["val_score"] == pytest.approx(expected, abs=1e-6)
+    assert metrics["last.ckpt"]["val_score"] == pytest.approx(expected, abs=1e-6)
+    assert metrics["single.ckpt"]["val_score"] == pytest.approx(expected, abs=1e-6)
+    assert (trained / "single.ckpt").is_file()
 
 
 def test_gathered_in_validation_step_works_under_validate_at_every_stage(tmp_path: Path) -> None:
