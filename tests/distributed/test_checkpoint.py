@@ -447,6 +447,34 @@ class Student(pl.LightningModule):
     train_dataloader = GAN.train_dataloader
 
 
+class Scored(Student):
+    """The student, logging each epoch a score whose best epochs are 1, then 2 (0 worse: its file is removed)."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.log("score", -abs(self.current_epoch - 1.2), on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+def top_k_under_both(root: Path) -> dict[str, dict[str, Any]] | None:
+    """On each rank: 3 epochs of :class:`Scored` with ``ModelCheckpoint(save_top_k=2, save_last=True)`` on its score,
+    under ``DDPStrategy`` and under ``MultiDeepSpeedStrategy(checkpoint_format="file")`` at ZeRO-2 (ROOT/ddp,
+    ROOT/multids); rank 0 returns, for each, the files left in the folder and the callback's best and top-k paths."""
+    results = {}
+    for name, strategy in (
+        ("ddp", pl.strategies.DDPStrategy()),
+        ("multids", MultiDeepSpeedStrategy(stage=2, checkpoint_format="file")),
+    ):
+        callback = ModelCheckpoint(dirpath=root / name, monitor="score", mode="max", save_top_k=2, save_last=True)
+        fitted = cpu_trainer(strategy, max_epochs=3, callbacks=[callback])
+        fitted.fit(Scored())
+        results[name] = {
+            "files": sorted(p.name for p in (root / name).iterdir()),
+            "best": Path(callback.best_model_path).name,
+            "top_k": sorted(Path(path).name for path in callback.best_k_models),
+        }
+    return results if results and torch.distributed.get_rank() == 0 else None
+
+
 def trainer(root: Path, epochs: int) -> pl.Trainer:
     return cpu_trainer(
         MultiDeepSpeedStrategy(stage=3),
@@ -752,6 +780,26 @@ def test_bad_checkpoint_paths_fail_clearly(trained: Path) -> None:
     assert re.search(
         r"holds the engines \['discriminator', 'generator'\].*trains \['student'\]", messages["other_engines"]
     )
+
+
+def test_single_file_checkpoints_keep_lightnings_top_k_contract_as_under_ddp(tmp_path: Path) -> None:
+    """``checkpoint_format="file"`` under ``ModelCheckpoint(save_top_k=2, save_last=True)``, on the code that
+    ``DDPStrategy`` runs: one file per save, the same files left (the worse ones removed), ``best_model_path``
+    loadable by ``torch.load(weights_only=True)`` with DDP's keys and by ``load_from_checkpoint``, DDP's weights."""
+    results = on_ranks(top_k_under_both, tmp_path)[0]
+    ddp, ours = results["ddp"], results["multids"]
+    assert ours["files"] == ddp["files"] == ["epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"], results
+    assert ours["best"] == ddp["best"] == "epoch=1-step=4.ckpt" and ours["top_k"] == ddp["top_k"], results
+    for name in ddp["files"]:
+        assert (tmp_path / "multids" / name).is_file(), name
+        expected, saved = (torch.load(tmp_path / d / name, weights_only=True) for d in ("ddp", "multids"))
+        assert saved.keys() - {"multids"} == expected.keys(), name
+        assert saved["state_dict"].keys() == expected["state_dict"].keys(), name
+        for key, value in expected["state_dict"].items():
+            assert torch.allclose(saved["state_dict"][key], value, atol=1e-6), f"{name}: {key}"
+    loaded = Scored.load_from_checkpoint(tmp_path / "multids" / ours["best"]).state_dict()
+    best = torch.load(tmp_path / "ddp" / ddp["best"], weights_only=True)["state_dict"]
+    assert all(torch.allclose(loaded[key], value, atol=1e-6) for key, value in best.items())
 
 
 def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
