@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_multids import _huggingface as huggingface
 from lightning_multids import _loading as loading
@@ -168,19 +169,40 @@ def _move_into_place(partial: Path, path: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def pack(directory: Path, path: Path, *, is_global_zero: bool, barrier: Callable[[str], None]) -> None:
+Layout = list[tuple[str, list[list[str]]]]
+"""Per optimizer of ``self.optimizers()``, in order: its engine's name, and its parameters' names per group."""
+
+
+def optimizer_layout(optimizers: Sequence[tuple[str, Optimizer]], modules: Mapping[str, nn.Module]) -> Layout:
+    """The :data:`Layout` of ``optimizers``, each with its engine's name; the names are those in ``modules[name]``."""
+    layout = []
+    for name, optimizer in optimizers:
+        names = {param: key for key, param in modules[name].named_parameters()}
+        layout.append((name, [[names[param] for param in group["params"]] for group in optimizer.param_groups]))
+    return layout
+
+
+def pack(directory: Path, path: Path, *, layout: Layout, is_global_zero: bool, barrier: Callable[[str], None]) -> None:
     """Write the checkpoint directory ``directory`` (:func:`save`) as the single file ``path``; a collective call.
 
     The file holds Lightning's keys with ``state_dict`` holding every saved weight whole (fp32, keyed as in the
-    LightningModule, merged from the ZeRO partitions as :func:`consolidated_state_dicts` merges them), and under
-    :data:`FORMAT_KEY` the engines' description and the directory's files (:mod:`lightning_multids._single_file`), which
-    a resume unpacks and loads as it loads the directory. Rank 0 writes ``PATH.partial`` and renames it to ``PATH``
-    (a process killed before leaves the previous ``PATH``), then removes ``directory``.
+    LightningModule, merged from the ZeRO partitions as :func:`consolidated_state_dicts` merges them) and
+    ``optimizer_states`` as torch's ``optimizer.state_dict()`` of each optimizer from ``configure_optimizers``
+    (:func:`_optimizer_state`; ``layout`` names their parameters), and under :data:`FORMAT_KEY` the engines'
+    description and the directory's files (:mod:`lightning_multids._single_file`), which a resume unpacks and loads
+    as it loads the directory. Rank 0 writes ``PATH.partial`` and renames it to ``PATH`` (a process killed before
+    leaves the previous ``PATH``), then removes ``directory``.
     """
     if is_global_zero:
         lightning = read_lightning_part(directory, weights_only=False)  # this save's own files
         states = _consolidated(directory, weights_only=False)
         single = _one_file(lightning, states, torch.float32, training_state=True)
+        if "optimizer_states" in single:  # not in a weights-only save
+            engines = lightning[FORMAT_KEY]["engines"]
+            single["optimizer_states"] = [
+                _optimizer_state(directory / ENGINE_DIR / name, engines[name]["stage"], groups)
+                for name, groups in layout
+            ]
         single[FORMAT_KEY] = {**lightning[FORMAT_KEY], FILES_KEY: packed_files(directory)}
         partial = path.with_name(path.name + ".partial")
         torch.save(single, partial)
@@ -189,6 +211,31 @@ def pack(directory: Path, path: Path, *, is_global_zero: bool, barrier: Callable
         os.replace(partial, path)
         shutil.rmtree(directory)
     barrier("multids.save.packed")
+
+
+def _optimizer_state(engine_dir: Path, stage: int, groups: list[list[str]]) -> dict[str, Any]:
+    """An engine's saved optimizer state, whole, as torch's ``state_dict()`` of its optimizer from configure_optimizers.
+
+    At ZeRO-0 the one DeepSpeed saved; at ZeRO-1/2/3 merged from the ranks' partitions by DeepSpeed's universal
+    checkpoint conversion, into a temporary directory. That conversion (DeepSpeed 0.19.8) merges Adam's moments only
+    and fails on any other optimizer's state (SGD's: ``KeyError: 'exp_avg'``): there the entry is empty, with a
+    warning; the engine's state is still in its part of the file, which a resume loads.
+    """
+    if stage == 0:
+        return ds_compat.stage0_optimizer_state(engine_dir, TAG)
+    with tempfile.TemporaryDirectory(prefix="multids-universal-") as temporary:
+        try:
+            ds_compat.to_universal(engine_dir / TAG, Path(temporary) / UNIVERSAL_TAG)
+        except KeyError as missing:
+            warnings.warn(
+                f"The single-file checkpoint's `optimizer_states` entry of the engine {engine_dir.name!r} "
+                f"(ZeRO-{stage}) is empty: DeepSpeed's universal checkpoint conversion, which merges its partitions, "
+                f"handles Adam's state only (it found no {missing}). `trainer.fit(ckpt_path=...)` still resumes it "
+                "exactly from its part inside the file; to read it whole, use Adam/AdamW or ZeRO-0 for that engine.",
+                stacklevel=2,
+            )
+            return {}
+        return ds_compat.universal_optimizer_state(Path(temporary) / UNIVERSAL_TAG, groups)
 
 
 def unpacked(

@@ -662,7 +662,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             barrier=self.barrier,
         )
         if single:
-            checkpoints.pack(directory, Path(filepath), is_global_zero=self.is_global_zero, barrier=self.barrier)
+            optimizers = [(optimizer.name, optimizer) for optimizer in engine_set.optimizers]
+            layout = checkpoints.optimizer_layout(optimizers, {n: e.module for n, e in engines.items()})
+            checkpoints.pack(
+                directory, Path(filepath), layout=layout, is_global_zero=self.is_global_zero, barrier=self.barrier
+            )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

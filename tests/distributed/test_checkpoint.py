@@ -15,6 +15,7 @@ import copy
 import os
 import re
 import signal
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,14 @@ def test_single_file_checkpoint_loads_with_torch_and_lightning_and_resumes_bitwi
         assert all(torch.equal(saved["state_dict"][k], v) for k, v in weights.items()), stage
         loaded = Resumable.load_from_checkpoint(first / "last.ckpt", case="distill", ema=True).state_dict()
         assert all(torch.equal(loaded[k], v) for k, v in weights.items()), stage
+        # the student's Adam as torch's state_dict(): its moments per parameter, whole (fit ended at the save)
+        (adam,) = saved["optimizer_states"]
+        moments = [adam["state"][i][key] for i in range(len(adam["state"])) for key in ("exp_avg", "exp_avg_sq")]
+        live = [t for i, t in enumerate(result["first"]["optimizer"]) if i % 3 != 2]  # without the master weights
+        assert len(moments) == len(live) > 0, stage
+        assert all(torch.equal(a, b) for a, b in zip(moments, live, strict=True)), stage
+        assert [int(adam["state"][i]["step"]) for i in adam["state"]] == [2] * len(adam["state"]), stage
+        assert adam["param_groups"][0]["params"] == list(range(len(adam["state"]))), stage
 
 
 @pytest.mark.parametrize(("saved", "resumed"), [(1, 2), (2, 1)])
@@ -448,11 +457,15 @@ class Student(pl.LightningModule):
 
 
 class Scored(Student):
-    """The student, logging each epoch a score whose best epochs are 1, then 2 (0 worse: its file is removed)."""
+    """The student with Adam, logging each epoch a score whose best epochs are 1, then 2 (0 worse: its file is
+    removed)."""
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         self.log("score", -abs(self.current_epoch - 1.2), on_step=False, on_epoch=True)
         return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.student.parameters(), lr=0.01)
 
 
 def top_k_under_both(root: Path) -> dict[str, dict[str, Any]] | None:
@@ -523,15 +536,21 @@ class StartEpoch(pl.Callback):
         self.value = trainer.current_epoch
 
 
-def train(root: Path) -> dict[str, torch.Tensor] | None:
+def train(root: Path) -> dict[str, Any] | None:
     """On each rank: 1 epoch of the GAN at ZeRO-3 with ModelCheckpoint, then ROOT/single.ckpt saved after fit as one
-    file (``checkpoint_format="file"``); rank 0 returns the live weights."""
+    file (``checkpoint_format="file"``); then :class:`Student` (SGD) at ZeRO-2 saved as one file, ROOT/sgd.ckpt. Rank 0
+    returns the GAN's live weights and the warnings of the student's save."""
     t = trainer(root, 1)
     t.fit(GAN())
     t.strategy.checkpoint_format = "file"  # type: ignore[attr-defined]
     t.save_checkpoint(root / "single.ckpt")
     weights = t.strategy.consolidated_state_dict()
-    return weights if t.global_rank == 0 else None
+    sgd = cpu_trainer(MultiDeepSpeedStrategy(stage=2, checkpoint_format="file"), enable_checkpointing=False)
+    sgd.fit(Student())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sgd.save_checkpoint(root / "sgd.ckpt")
+    return {"live": weights, "sgd": [str(w.message) for w in caught]} if t.global_rank == 0 else None
 
 
 def fit_killed(root: Path, when: str) -> None:
@@ -631,7 +650,9 @@ def test_fsspec_urls_are_local_files_or_refused_at_once(trained: Path) -> None:
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ZeRO-3 GAN trained for one epoch, with its checkpoints and its live weights (ROOT/live.pt)."""
     root = tmp_path_factory.mktemp("ckpt")
-    torch.save(on_ranks(train, root)[0], root / "live.pt")
+    trained = on_ranks(train, root)[0]
+    torch.save(trained["live"], root / "live.pt")
+    (root / "sgd-warnings.txt").write_text("\n".join(trained["sgd"]))
     return root
 
 
@@ -688,6 +709,15 @@ def test_load_from_checkpoint_reads_a_directory_through_as_file_and_a_single_fil
     assert_live_weights(GAN.load_from_checkpoint(as_file(single)), trained)
     saved = torch.load(single, weights_only=True)
     assert saved["global_step"] == 4 and len(saved["optimizer_states"]) == 2 and "loops" in saved
+
+
+def test_a_single_file_save_of_a_zero2_sgd_engine_warns_that_its_optimizer_entry_is_empty(trained: Path) -> None:
+    """DeepSpeed's universal conversion, which merges ZeRO partitions, fails on SGD's state (0.19.8: ``KeyError``)."""
+    warned = (trained / "sgd-warnings.txt").read_text()
+    assert re.search(r"optimizer_states` entry of the engine 'student' \(ZeRO-2\) is empty.*Adam's state only", warned)
+    assert "use Adam/AdamW or ZeRO-0 for that engine" in warned, warned
+    saved = torch.load(trained / "sgd.ckpt", weights_only=True)
+    assert saved["optimizer_states"] == [{}] and set(saved["state_dict"]) == set(Student().state_dict())
 
 
 def test_export_and_consolidated_state_dicts_read_a_single_file_checkpoint(trained: Path, tmp_path: Path) -> None:
@@ -785,7 +815,8 @@ def test_bad_checkpoint_paths_fail_clearly(trained: Path) -> None:
 def test_single_file_checkpoints_keep_lightnings_top_k_contract_as_under_ddp(tmp_path: Path) -> None:
     """``checkpoint_format="file"`` under ``ModelCheckpoint(save_top_k=2, save_last=True)``, on the code that
     ``DDPStrategy`` runs: one file per save, the same files left (the worse ones removed), ``best_model_path``
-    loadable by ``torch.load(weights_only=True)`` with DDP's keys and by ``load_from_checkpoint``, DDP's weights."""
+    loadable by ``torch.load(weights_only=True)`` with DDP's keys and by ``load_from_checkpoint``, DDP's weights and
+    Adam's state as DDP writes it (torch's ``state_dict()``)."""
     results = on_ranks(top_k_under_both, tmp_path)[0]
     ddp, ours = results["ddp"], results["multids"]
     assert ours["files"] == ddp["files"] == ["epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"], results
@@ -797,6 +828,11 @@ def test_single_file_checkpoints_keep_lightnings_top_k_contract_as_under_ddp(tmp
         assert saved["state_dict"].keys() == expected["state_dict"].keys(), name
         for key, value in expected["state_dict"].items():
             assert torch.allclose(saved["state_dict"][key], value, atol=1e-6), f"{name}: {key}"
+        (adam,), (ddp_adam,) = saved["optimizer_states"], expected["optimizer_states"]  # torch's state_dict() of each
+        assert adam["param_groups"] == ddp_adam["param_groups"] and adam["state"].keys() == ddp_adam["state"].keys()
+        for index, state in ddp_adam["state"].items():
+            assert state.keys() == adam["state"][index].keys(), f"{name}: {index}"
+            assert all(torch.allclose(adam["state"][index][k], v, atol=1e-6) for k, v in state.items()), name
     loaded = Scored.load_from_checkpoint(tmp_path / "multids" / ours["best"]).state_dict()
     best = torch.load(tmp_path / "ddp" / ddp["best"], weights_only=True)["state_dict"]
     assert all(torch.allclose(loaded[key], value, atol=1e-6) for key, value in best.items())
