@@ -24,6 +24,12 @@ never loaded. Replacing an existing ``PATH`` (``last.ckpt``) moves the old one t
 old one is still found: by ``ckpt_path="last"`` (Lightning looks for ``last*.ckpt``), and by loading ``PATH``.
 
 Frozen engines are not saved unless asked (their weights never change during fit); EMA engines always are.
+
+With ``MultiDeepSpeedStrategy(checkpoint_format="file")`` a save writes that directory as ``PATH.parts``, then rank 0
+packs it into the one file ``PATH`` (:func:`pack`): Lightning's keys as ``DDPStrategy`` writes them (whole weights
+under ``state_dict``, torch's ``optimizer.state_dict()`` per optimizer under ``optimizer_states``) and the directory's
+files inside it. Every load of such a file unpacks them into a temporary directory first (:func:`unpacked`,
+:func:`opened`) and reads that as any checkpoint directory.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ FILES_KEY = "files"
 PACKING = ".parts"
 """The suffix of the directory a single-file save writes first (``PATH.parts``), removed once ``PATH`` is written."""
 EXPORT_OPT_OUT = "export it with `lightning-multids export --unsafe-load` (`export(..., weights_only=False)`)"
+AS_FILE_OPT_OUT = "pass `weights_only=False` to `as_file`"
 
 
 def save(
@@ -586,7 +593,10 @@ def as_file(path: str | Path, weights_only: bool | None = None) -> io.BytesIO:
     no process group. ``path`` may also be a single-file checkpoint (``checkpoint_format="file"``), which
     ``load_from_checkpoint`` reads by itself. Loads as ``weights_only`` says (:func:`consolidated_state_dicts`).
     """
-    with opened(path, weights_only, EXPORT_OPT_OUT) as directory, loading.reading(directory, weights_only):
+    with (
+        opened(path, weights_only, AS_FILE_OPT_OUT) as directory,
+        loading.reading(directory, weights_only, AS_FILE_OPT_OUT),
+    ):
         lightning = read_lightning_part(directory, weights_only)
         states = _consolidated(directory, weights_only)
     buffer = io.BytesIO()
