@@ -197,9 +197,11 @@ def export_main(argv: Sequence[str]) -> None:
     """Run ``export CKPT OUT [--dtype bf16] [--format hf [--merge-lora]] [--unsafe-load]``: one output per engine."""
     parser = argparse.ArgumentParser(
         prog="lightning-multids export",
-        description="Write one consolidated state_dict per submodule from a checkpoint directory.",
+        description="Write one consolidated state_dict per submodule from a checkpoint.",
     )
-    parser.add_argument("checkpoint", help="a checkpoint directory saved by MultiDeepSpeedStrategy")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint saved by MultiDeepSpeedStrategy: a directory, or one file (checkpoint_format)"
+    )
     parser.add_argument("out", help="the directory to write NAME.pt files into")
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default="fp32", help="the dtype of the weights written (default fp32)"
