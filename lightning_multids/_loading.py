@@ -89,7 +89,10 @@ def _loadable(checkpoint: Path) -> list[Path]:
     """The ``.pt`` files of ``checkpoint`` that a load may read: none inside a ``*.partial`` folder.
 
     Those are saves or conversions that did not finish (or are being written by rank 0 now): never loaded.
+    A single-file checkpoint is its own one file.
     """
+    if checkpoint.is_file():
+        return [checkpoint]
     return sorted(
         file
         for file in checkpoint.rglob("*.pt")

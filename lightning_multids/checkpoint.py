@@ -24,6 +24,12 @@ never loaded. Replacing an existing ``PATH`` (``last.ckpt``) moves the old one t
 old one is still found: by ``ckpt_path="last"`` (Lightning looks for ``last*.ckpt``), and by loading ``PATH``.
 
 Frozen engines are not saved unless asked (their weights never change during fit); EMA engines always are.
+
+With ``MultiDeepSpeedStrategy(checkpoint_format="file")`` a save writes that directory as ``PATH.parts``, then rank 0
+packs it into the one file ``PATH`` (:func:`pack`): Lightning's keys as ``DDPStrategy`` writes them (whole weights
+under ``state_dict``, torch's ``optimizer.state_dict()`` per optimizer under ``optimizer_states``) and the directory's
+files inside it. Every load of such a file unpacks them into a temporary directory first (:func:`unpacked`,
+:func:`opened`) and reads that as any checkpoint directory.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ import contextlib
 import io
 import os
 import shutil
+import tempfile
 import warnings
-from collections.abc import Callable, Mapping
+import zipfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +52,7 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_multids import _huggingface as huggingface
 from lightning_multids import _loading as loading
@@ -53,8 +62,9 @@ from lightning_multids._compat.deepspeed import stage0_weights
 from lightning_multids._joined import part_names, split_state
 from lightning_multids._noise import zero_deprecations_hidden
 from lightning_multids._precision import engine_dtype
+from lightning_multids._single_file import packed_files, unpack_files
 
-__all__ = ["consolidated_state_dicts", "export"]
+__all__ = ["as_file", "consolidated_state_dicts", "export"]
 
 FORMAT_KEY = "multids"
 LIGHTNING_FILE = "lightning.pt"
@@ -67,7 +77,14 @@ PLAIN = "plain"
 LIGHTNING_EXPORT = "model.ckpt"
 """The file ``export(..., format="lightning")`` writes."""
 EXPORT_FORMATS = ("pt", "hf", "lightning")
+CHECKPOINT_FORMATS = ("directory", "file")
+"""What ``MultiDeepSpeedStrategy(checkpoint_format=...)`` takes: a directory (default) or one file (:func:`pack`)."""
+FILES_KEY = "files"
+"""Where a single-file checkpoint's description (under :data:`FORMAT_KEY`) carries its directory's files."""
+PACKING = ".parts"
+"""The suffix of the directory a single-file save writes first (``PATH.parts``), removed once ``PATH`` is written."""
 EXPORT_OPT_OUT = "export it with `lightning-multids export --unsafe-load` (`export(..., weights_only=False)`)"
+AS_FILE_OPT_OUT = "pass `weights_only=False` to `as_file`"
 
 
 def save(
@@ -157,6 +174,125 @@ def _move_into_place(partial: Path, path: Path) -> None:
         os.replace(path, old)
     os.replace(partial, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+Layout = list[tuple[str, list[list[str]]]]
+"""Per optimizer of ``self.optimizers()``, in order: its engine's name, and its parameters' names per group."""
+
+
+def optimizer_layout(optimizers: Sequence[tuple[str, Optimizer]], modules: Mapping[str, nn.Module]) -> Layout:
+    """The :data:`Layout` of ``optimizers``, each with its engine's name; the names are those in ``modules[name]``."""
+    layout = []
+    for name, optimizer in optimizers:
+        names = {param: key for key, param in modules[name].named_parameters()}
+        layout.append((name, [[names[param] for param in group["params"]] for group in optimizer.param_groups]))
+    return layout
+
+
+def pack(directory: Path, path: Path, *, layout: Layout, is_global_zero: bool, barrier: Callable[[str], None]) -> None:
+    """Write the checkpoint directory ``directory`` (:func:`save`) as the single file ``path``; a collective call.
+
+    The file holds Lightning's keys with ``state_dict`` holding every saved weight whole (fp32, keyed as in the
+    LightningModule, merged from the ZeRO partitions as :func:`consolidated_state_dicts` merges them) and
+    ``optimizer_states`` as torch's ``optimizer.state_dict()`` of each optimizer from ``configure_optimizers``
+    (:func:`_optimizer_state`; ``layout`` names their parameters), and under :data:`FORMAT_KEY` the engines'
+    description and the directory's files (:mod:`lightning_multids._single_file`), which a resume unpacks and loads
+    as it loads the directory. Rank 0 writes ``PATH.partial`` and renames it to ``PATH`` (a process killed before
+    leaves the previous ``PATH``), then removes ``directory``.
+    """
+    if is_global_zero:
+        lightning = read_lightning_part(directory, weights_only=False)  # this save's own files
+        states = _consolidated(directory, weights_only=False)
+        single = _one_file(lightning, states, torch.float32, training_state=True)
+        if "optimizer_states" in single:  # not in a weights-only save
+            engines = lightning[FORMAT_KEY]["engines"]
+            single["optimizer_states"] = [
+                _optimizer_state(directory / ENGINE_DIR / name, engines[name]["stage"], groups)
+                for name, groups in layout
+            ]
+        single[FORMAT_KEY] = {**lightning[FORMAT_KEY], FILES_KEY: packed_files(directory)}
+        partial = path.with_name(path.name + ".partial")
+        torch.save(single, partial)
+        if path.is_dir():  # a directory checkpoint of that name, from a run with the default format
+            shutil.rmtree(path)
+        os.replace(partial, path)
+        shutil.rmtree(directory)
+    barrier("multids.save.packed")
+
+
+def _optimizer_state(engine_dir: Path, stage: int, groups: list[list[str]]) -> dict[str, Any]:
+    """An engine's saved optimizer state, whole, as torch's ``state_dict()`` of its optimizer from configure_optimizers.
+
+    At ZeRO-0 the one DeepSpeed saved; at ZeRO-1/2/3 merged from the ranks' partitions by DeepSpeed's universal
+    checkpoint conversion, into a temporary directory. That conversion (DeepSpeed 0.19.8) merges Adam's moments only
+    and fails on any other optimizer's state (SGD's: ``KeyError: 'exp_avg'``): there the entry is empty, with a
+    warning; the engine's state is still in its part of the file, which a resume loads.
+    """
+    if stage == 0:
+        return ds_compat.stage0_optimizer_state(engine_dir, TAG)
+    with tempfile.TemporaryDirectory(prefix="multids-universal-") as temporary:
+        try:
+            ds_compat.to_universal(engine_dir / TAG, Path(temporary) / UNIVERSAL_TAG)
+        except KeyError as missing:
+            warnings.warn(
+                f"The single-file checkpoint's `optimizer_states` entry of the engine {engine_dir.name!r} "
+                f"(ZeRO-{stage}) is empty: DeepSpeed's universal checkpoint conversion, which merges its partitions, "
+                f"handles Adam's state only (it found no {missing}). `trainer.fit(ckpt_path=...)` still resumes it "
+                "exactly from its part inside the file; to read it whole, use Adam/AdamW or ZeRO-0 for that engine.",
+                stacklevel=2,
+            )
+            return {}
+        return ds_compat.universal_optimizer_state(Path(temporary) / UNIVERSAL_TAG, groups)
+
+
+def unpacked(
+    path: str | Path, weights_only: bool | None, opt_out: str = loading.TRAINER_OPT_OUT
+) -> tempfile.TemporaryDirectory[str] | None:
+    """The single-file checkpoint at ``path`` (:func:`pack`) unpacked into a new temporary directory, or None.
+
+    None where ``path`` is not a file (a checkpoint directory, or nothing: see :func:`resolve`). The caller removes
+    the directory (``.cleanup()``). The file loads as ``weights_only`` says; a file that is not a single-file
+    checkpoint of this strategy is a ValueError.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    files = _packed(path, weights_only, opt_out)
+    temporary = tempfile.TemporaryDirectory(prefix="multids-checkpoint-")
+    try:
+        unpack_files(files, Path(temporary.name))
+    except BaseException:
+        temporary.cleanup()
+        raise
+    return temporary
+
+
+def _packed(path: Path, weights_only: bool | None, opt_out: str) -> Mapping[str, torch.Tensor]:
+    """The files a single-file checkpoint carries; a ValueError if ``path`` is none."""
+    single = None
+    if zipfile.is_zipfile(path):  # torch.save's format; anything else is no checkpoint
+        with loading.reading(path, weights_only, opt_out):
+            single = loading.load(path, weights_only)
+    files = single.get(FORMAT_KEY, {}).get(FILES_KEY) if isinstance(single, dict) else None
+    if not isinstance(files, Mapping):
+        raise ValueError(
+            f"{str(path)!r} is not a MultiDeepSpeedStrategy checkpoint: a file is one only if "
+            "`MultiDeepSpeedStrategy(checkpoint_format='file')` wrote it; by default a checkpoint is a directory "
+            "written by `trainer.save_checkpoint` or `ModelCheckpoint` under this strategy. A single-file Lightning "
+            "checkpoint of another strategy can be loaded with `model.load_state_dict` instead."
+        )
+    return files
+
+
+@contextlib.contextmanager
+def opened(path: str | Path, weights_only: bool | None, opt_out: str) -> Iterator[Path]:
+    """The checkpoint directory at ``path`` (:func:`resolve`), or the single file there unpacked for the block."""
+    temporary = unpacked(path, weights_only, opt_out)
+    if temporary is None:
+        yield resolve(path)
+        return
+    with temporary:
+        yield Path(temporary.name)
 
 
 def local_path(path: str | os.PathLike[str], what: str) -> str:
@@ -423,9 +559,8 @@ def consolidated_state_dicts(
     Every file loads as ``weights_only`` says (``None``: torch's default, tensors and plain types only); a refused
     one is an ``UnpicklingError`` naming it and ``opt_out``, how to load it anyway.
     """
-    path = resolve(path)
-    with loading.reading(path, weights_only, opt_out):
-        return _consolidated(path, weights_only)
+    with opened(path, weights_only, opt_out) as directory, loading.reading(directory, weights_only, opt_out):
+        return _consolidated(directory, weights_only)
 
 
 def _consolidated(path: Path, weights_only: bool | None) -> dict[str, dict[str, torch.Tensor]]:
@@ -446,6 +581,28 @@ def _consolidated(path: Path, weights_only: bool | None) -> dict[str, dict[str, 
         result.update(split_state(state, info["parts"]) if "parts" in info else {name: state})
     result[PLAIN] = dict(lightning["state_dict"])
     return result
+
+
+def as_file(path: str | Path, weights_only: bool | None = None) -> io.BytesIO:
+    """The checkpoint at ``path`` as one file in memory, for ``Model.load_from_checkpoint(as_file(path))``.
+
+    ``Model.load_from_checkpoint`` opens one file: given a checkpoint directory, Lightning stops with its
+    ``IsADirectoryError`` before any code of this package runs. It also takes a file object, and this is one:
+    what ``export(path, out, format="lightning")`` writes to ``OUT/model.ckpt`` (every saved weight whole, keyed as
+    in the LightningModule; the hyperparameters and the loops' progress; no optimizer state), built in memory, with
+    no process group. ``path`` may also be a single-file checkpoint (``checkpoint_format="file"``), which
+    ``load_from_checkpoint`` reads by itself. Loads as ``weights_only`` says (:func:`consolidated_state_dicts`).
+    """
+    with (
+        opened(path, weights_only, AS_FILE_OPT_OUT) as directory,
+        loading.reading(directory, weights_only, AS_FILE_OPT_OUT),
+    ):
+        lightning = read_lightning_part(directory, weights_only)
+        states = _consolidated(directory, weights_only)
+    buffer = io.BytesIO()
+    torch.save(_one_file(lightning, states, torch.float32), buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def gathered_state_dict(module: nn.Module) -> dict[str, Any]:
@@ -504,7 +661,19 @@ def export(
             f"export format {format!r}: choose 'pt' (state dicts), 'hf' (save_pretrained folders) or 'lightning' "
             "(one file for `Model.load_from_checkpoint`)."
         )
-    path, out = resolve(path), Path(out)
+    with opened(path, weights_only, EXPORT_OPT_OUT) as directory:
+        return _export(directory, Path(out), dtype, format, merge_lora, weights_only)
+
+
+def _export(
+    path: Path,
+    out: Path,
+    dtype: torch.dtype,
+    format: str,  # noqa: A002
+    merge_lora: bool,
+    weights_only: bool | None,
+) -> list[Path]:
+    """:func:`export` of the checkpoint directory ``path`` (a single file's unpacked)."""
     with loading.reading(path, weights_only, EXPORT_OPT_OUT):
         lightning = read_lightning_part(path, weights_only)
         engines = lightning[FORMAT_KEY]["engines"]
@@ -543,15 +712,24 @@ def export(
     return written
 
 
-def _one_file(lightning: Mapping[str, Any], states: Mapping[str, dict[str, torch.Tensor]], dtype: torch.dtype) -> dict:
-    """Lightning's part with every engine's weights in its ``state_dict`` (keyed as in the module), one checkpoint."""
+def _one_file(
+    lightning: Mapping[str, Any],
+    states: Mapping[str, dict[str, torch.Tensor]],
+    dtype: torch.dtype,
+    *,
+    training_state: bool = False,
+) -> dict:
+    """Lightning's part with every engine's weights in its ``state_dict`` (keyed as in the module), one checkpoint.
+
+    Without ``training_state``, as Lightning's weights-only checkpoint: no optimizer, scheduler or callback state,
+    so that resuming a fit from it is refused by Lightning rather than starting the optimizers afresh from the
+    saved step. With it, those keys stay (a single-file checkpoint, :func:`pack`).
+    """
     merged = dict(states[PLAIN])
     for name, state in states.items():
         if name != PLAIN:
             merged.update({f"{name}.{key}": value for key, value in state.items()})
-    # As Lightning's weights-only checkpoint: no optimizer, scheduler or callback state, so that resuming a fit
-    # from it is refused by Lightning rather than starting the optimizers afresh from the saved step.
-    dropped = {FORMAT_KEY, "optimizer_states", "lr_schedulers", "callbacks"}
+    dropped = {FORMAT_KEY} if training_state else {FORMAT_KEY, "optimizer_states", "lr_schedulers", "callbacks"}
     kept = {key: value for key, value in lightning.items() if key not in dropped}
     kept["state_dict"] = {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()}
     return kept

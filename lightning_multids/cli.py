@@ -136,9 +136,11 @@ class MultiDeepSpeedCLI(LightningCLI):
         max_epochs = self.trainer.max_epochs
         if max_epochs is None or max_epochs < 0:
             return
-        try:
-            saved = read_lightning_part(found, weights_only=None)
-        except (OSError, ValueError, pickle.UnpicklingError):
+        try:  # a single-file checkpoint is mapped, not read: only its small entries are
+            saved = (
+                read_lightning_part(found, None) if found.is_dir() else torch.load(found, mmap=True, weights_only=True)
+            )
+        except (OSError, ValueError, RuntimeError, pickle.UnpicklingError):
             return
         start = _resumed_epoch(saved)
         if start is not None and start >= max_epochs:
@@ -177,11 +179,16 @@ def _checkpoints_per_version(trainer: pl.Trainer) -> bool:
 def newest_last_checkpoint(root: Path) -> Path | None:
     """The most recently written complete ``last.ckpt`` (or ``last-vN.ckpt``) in ``root/*/checkpoints``.
 
+    A directory with its Lightning part, or a single file (``checkpoint_format="file"``, written under another name
+    and renamed when complete).
+
     ``root`` is a logger's ``save_dir/name``; its subfolders are the runs' versions. As Lightning's own
     ``ckpt_path="last"``, the newest by modification time wins.
     """
     found = [
-        path for path in root.glob("*/checkpoints/*") if _LAST.match(path.name) and (path / LIGHTNING_FILE).is_file()
+        path
+        for path in root.glob("*/checkpoints/*")
+        if _LAST.match(path.name) and (path.is_file() or (path / LIGHTNING_FILE).is_file())  # checkpoint_format
     ]
     return max(found, key=lambda path: path.stat().st_mtime) if found else None
 
@@ -190,9 +197,11 @@ def export_main(argv: Sequence[str]) -> None:
     """Run ``export CKPT OUT [--dtype bf16] [--format hf [--merge-lora]] [--unsafe-load]``: one output per engine."""
     parser = argparse.ArgumentParser(
         prog="lightning-multids export",
-        description="Write one consolidated state_dict per submodule from a checkpoint directory.",
+        description="Write one consolidated state_dict per submodule from a checkpoint.",
     )
-    parser.add_argument("checkpoint", help="a checkpoint directory saved by MultiDeepSpeedStrategy")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint saved by MultiDeepSpeedStrategy: a directory, or one file (checkpoint_format)"
+    )
     parser.add_argument("out", help="the directory to write NAME.pt files into")
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default="fp32", help="the dtype of the weights written (default fp32)"

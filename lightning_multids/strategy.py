@@ -6,12 +6,13 @@ import contextlib
 import functools
 import gc
 import logging
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import deepspeed
 import lightning.pytorch as pl
@@ -131,6 +132,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             DeepSpeed's ``FusedAdam``/``DeepSpeedCPUAdam``...). There DeepSpeed steps an optimizer over flat
             partitions of the engine's parameters, which gives ``torch.optim``'s result only for an optimizer that
             updates each element from that element alone; any other (Adafactor, LAMB, Muon) is refused at setup.
+        checkpoint_format: what ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write, as ``FSDPStrategy``'s
+            ``state_dict_type`` chooses: ``"directory"`` (the default), one part per engine, each rank writing its
+            ZeRO partitions; or ``"file"``, one file that ``torch.load`` and ``Model.load_from_checkpoint`` read,
+            written by rank 0, with the whole weights under ``state_dict`` and the engines' parts inside it for an
+            exact resume (see docs/checkpoints.md). Either format loads, whatever this setting.
     """
 
     strategy_name = "multi_deepspeed"
@@ -154,8 +160,10 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         broadcast_buffers: bool = True,
         find_unused_parameters: bool = False,
         elementwise_optimizers: Sequence[type[Optimizer] | str] = (),
+        checkpoint_format: Literal["directory", "file"] = "directory",
     ) -> None:
         _refuse_checkpoint_io(checkpoint_io)
+        _check_checkpoint_format(checkpoint_format)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -179,6 +187,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         }
         _refuse_zero3_launched_in_process(start_method, self.stage, self.config, self.engine_configs)
         self.save_frozen = save_frozen
+        self.checkpoint_format = checkpoint_format
         self.gathered_timeout = gathered_timeout
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
@@ -622,7 +631,10 @@ class MultiDeepSpeedStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write the checkpoint directory ``filepath`` atomically: Lightning's part and one part per engine."""
+        """Write the checkpoint ``filepath`` atomically: Lightning's part and one part per engine.
+
+        A directory, or with ``checkpoint_format="file"`` that directory packed into one file by rank 0.
+        """
         if storage_options is not None:
             raise TypeError("MultiDeepSpeedStrategy writes checkpoints itself: `storage_options` is not used.")
         assert self.lightning_module is not None
@@ -643,9 +655,11 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         # Lightning dumps no optimizer states for `save_weights_only=True` / `weights_only=True`: every engine's
         # weights alone, as DDP writes the module's state dict alone.
         as_weights = set(saved) if "optimizer_states" not in checkpoint else frozen
+        single = self.checkpoint_format == "file"
+        directory = Path(filepath + checkpoints.PACKING) if single else Path(filepath)
         checkpoints.save(
             checkpoint,
-            filepath,
+            directory,
             engines={n: engines[n] for n in saved if n not in as_weights},
             weights={n: engines[n].module for n in saved if n in as_weights},
             frozen=frozen,
@@ -655,6 +669,12 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             is_global_zero=self.is_global_zero,
             barrier=self.barrier,
         )
+        if single:
+            optimizers = [(optimizer.name, optimizer) for optimizer in engine_set.optimizers]
+            layout = checkpoints.optimizer_layout(optimizers, {n: e.module for n, e in engines.items()})
+            checkpoints.pack(
+                directory, Path(filepath), layout=layout, is_global_zero=self.is_global_zero, barrier=self.barrier
+            )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -663,10 +683,16 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         Every file loads as ``torch.load`` with ``weights_only`` would (``None``: torch's default, tensors and plain
         types only), DeepSpeed's too (see :mod:`lightning_multids._loading`), as under Lightning's own strategies.
         """
-        path = checkpoints.resolve(checkpoints.local_path(self.broadcast(str(checkpoint_path)), "The checkpoint path"))
-        with loading.reading(path, weights_only):
-            lightning = checkpoints.read_lightning_part(path, weights_only)
-        self._loading = _Loading(path, lightning[checkpoints.FORMAT_KEY], weights_only)
+        given = checkpoints.local_path(self.broadcast(str(checkpoint_path)), "The checkpoint path")
+        unpacked = checkpoints.unpacked(given, weights_only)  # one file: each rank unpacks it into a directory
+        path = checkpoints.resolve(given) if unpacked is None else Path(unpacked.name)
+        try:
+            with loading.reading(path, weights_only):
+                lightning = checkpoints.read_lightning_part(path, weights_only)
+        except BaseException:
+            _remove(unpacked)
+            raise
+        self._loading = _Loading(path, lightning[checkpoints.FORMAT_KEY], weights_only, unpacked)
         if self._engine_set.engines:  # called after setup (by hand): load now
             self._finish_loading()
         return lightning
@@ -685,12 +711,18 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         pending, self._loading = self._loading, None
         if pending is None:
             return
-        with loading.reading(pending.path, pending.weights_only, look=False):  # load_checkpoint looked
-            self._load_engines(pending.path, pending.saved, pending.weights_only)
+        try:
+            with loading.reading(pending.path, pending.weights_only, look=False):  # load_checkpoint looked
+                self._load_engines(pending.path, pending.saved, pending.weights_only, own_copy=pending.unpacked)
+        finally:
+            _remove(pending.unpacked)
         if pending.plain is not None:
             self._load_plain(pending.plain, pending.strict)
 
-    def _load_engines(self, path: Path, saved: dict[str, Any], weights_only: bool | None) -> None:
+    def _load_engines(
+        self, path: Path, saved: dict[str, Any], weights_only: bool | None, *, own_copy: object | None
+    ) -> None:
+        """Load the engines' parts; ``own_copy``: ``path`` is this rank's own (an unpacked file), converted by it."""
         module = self.lightning_module
         assert module is not None
         trainable = self._engine_set.trainable_engines
@@ -711,7 +743,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             world_size=self.world_size,
             strict=module.strict_loading,
             weights_only=weights_only,
-            is_global_zero=self.is_global_zero,
+            is_global_zero=self.is_global_zero or own_copy is not None,  # who converts it to another world size
             barrier=self.barrier,
         )
         plain_parts = [n for n, i in saved["engines"].items() if i["stage"] is None and n not in engines]
@@ -755,7 +787,9 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             self._engine_set.take_weight_edits()
         release_engines(self._engine_set)
         self._stop_arrival()
-        self._loading = None  # a checkpoint read for a setup that did not finish
+        if self._loading is not None:  # a checkpoint read for a setup that did not finish
+            _remove(self._loading.unpacked)
+        self._loading = None
         module = self.lightning_module
         fitted = module is not None and trainer_of(module) is not None and module.trainer.state.fn == TrainerFn.FITTING
         if fitted and not self._failed and self._engine_set.trainable_engines:
@@ -814,6 +848,8 @@ class _Loading:
     path: Path
     saved: dict[str, Any]
     weights_only: bool | None
+    unpacked: tempfile.TemporaryDirectory[str] | None = None
+    """Where a single-file checkpoint was unpacked (``path``), removed once loaded."""
     plain: Mapping[str, Any] | None = None
     strict: bool = True
 
@@ -828,6 +864,20 @@ def _chain(*undos: Callable[[], None]) -> Callable[[], None]:
             each()
 
     return undo
+
+
+def _remove(unpacked: tempfile.TemporaryDirectory[str] | None) -> None:
+    if unpacked is not None:
+        unpacked.cleanup()
+
+
+def _check_checkpoint_format(checkpoint_format: str) -> None:
+    if checkpoint_format not in checkpoints.CHECKPOINT_FORMATS:
+        raise ValueError(
+            f"MultiDeepSpeedStrategy(checkpoint_format={checkpoint_format!r}): choose 'directory' (the default: a "
+            "directory with one part per engine) or 'file' (one file that `torch.load` and "
+            "`Model.load_from_checkpoint` read)."
+        )
 
 
 def _refuse_checkpoint_io(checkpoint_io: CheckpointIO | None) -> None:

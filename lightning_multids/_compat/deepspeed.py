@@ -1384,6 +1384,62 @@ def stage0_weights(engine_dir: Path, tag: str, *, weights_only: bool) -> dict[st
     return saved_module_state(engine_dir / tag, weights_only=weights_only)
 
 
+def stage0_optimizer_state(engine_dir: Path, tag: str) -> dict[str, Any]:
+    """The ``state_dict()`` of the torch optimizer a stage-0 engine saved (its model states' ``optimizer`` entry).
+
+    In fp32 that entry is the torch optimizer's own; in bf16/fp16 it is DeepSpeed's wrapper's, holding the torch
+    optimizer's (over fp32 copies of the parameters, in their order) under ``optimizer_state_dict``. Loaded
+    unrestricted: only for files this process has just written.
+    """
+    saved = _saved_model_states(engine_dir / tag, weights_only=False)["optimizer"]
+    return dict(saved.get("optimizer_state_dict", saved))
+
+
+def universal_optimizer_state(universal: Path, groups: list[list[str]]) -> dict[str, Any]:
+    """A universal checkpoint's optimizer state (:func:`to_universal`) as torch's ``optimizer.state_dict()``.
+
+    ``groups`` names the parameters of each of the optimizer's groups, in its order. The universal checkpoint holds
+    ``zero/NAME/KEY.pt`` per parameter and state key (``fp32.pt``, its master weight, is no optimizer state; ``step``
+    a tensor, the others ``{"param": tensor}``, flat at ZeRO-3: shaped here as the model states' ``param_shapes``
+    say) and the groups' settings in ``zero/optimizer_state.pt``, which at ZeRO-3 also holds the step count (one for
+    every parameter, as DeepSpeed's own universal load reads it; 0.19.8 writes no ``step.pt`` there). Loaded
+    unrestricted: only for a conversion this process has just made.
+    """
+    zero = universal / "zero"
+    saved = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    settings, step = (
+        saved["param_groups"],
+        saved.get("optimizer_state_dict", {}).get("state", {}).get(0, {}).get("step"),
+    )
+    shapes = {
+        k: v for group in _saved_model_states(universal, weights_only=False)["param_shapes"] for k, v in group.items()
+    }
+    state: dict[int, dict[str, Any]] = {}
+    param_groups, index = [], 0
+    for group, names in zip(settings, groups, strict=True):
+        settings_only = {key: value for key, value in group.items() if key != "params"}
+        param_groups.append({**settings_only, "params": list(range(index, index + len(names)))})
+        for name in names:
+            entries = _universal_entries(zero / name, shapes[name])
+            if entries and "step" not in entries and step is not None:
+                entries["step"] = step
+            if entries:
+                state[index] = entries
+            index += 1
+    return {"state": state, "param_groups": param_groups}
+
+
+def _universal_entries(folder: Path, shape: torch.Size) -> dict[str, torch.Tensor]:
+    """One parameter's optimizer state in a universal checkpoint (``folder``; none if missing), shaped ``shape``."""
+    state = {}
+    for file in sorted(folder.glob("*.pt")) if folder.is_dir() else []:
+        if file.stem != "fp32":  # the master weight
+            value = torch.load(file, map_location="cpu", weights_only=False)
+            value = value["param"] if isinstance(value, dict) else value
+            state[file.stem] = value.view(shape) if value.dim() else value
+    return state
+
+
 REDUCTION_CALLS: dict[int, tuple[str, str]] = {
     # stage: (object, method) that DeepSpeed calls once per reduction round (per bucket at ZeRO-2/3)
     0: ("engine", "buffered_allreduce_fallback"),

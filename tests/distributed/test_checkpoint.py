@@ -15,8 +15,10 @@ import copy
 import os
 import re
 import signal
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -83,6 +85,36 @@ def test_resume_with_weights_only_true_is_bitwise_exact(tmp_path: Path) -> None:
         with torch.serialization.safe_globals(checkpoint_globals()):
             for file in files:
                 torch.load(file, weights_only=True)
+
+
+def test_single_file_checkpoint_loads_with_torch_and_lightning_and_resumes_bitwise_exactly(tmp_path: Path) -> None:
+    """``checkpoint_format="file"``: each save is one file; ``torch.load(weights_only=True)`` reads it with Lightning's
+    keys and the whole weights keyed as in the module, ``load_from_checkpoint`` loads them, and ``fit(ckpt_path=...)``
+    resumes exactly at ZeRO 0 and 3 beside a frozen ZeRO-3 teacher and an EMA student (``weights_only=True``)."""
+    options = ResumeOptions(ema=True, weights_only=True, checkpoint_format="file")
+    ranks = on_ranks(resume_runs, tmp_path, "distill", [0, 3], options, timeout=600)  # ZeRO-2: test_reshape, top-k
+    for rank, results in enumerate(ranks):
+        assert_resumed_exactly(results, f"distill with an EMA, one file, rank {rank}")
+        assert all(result["straight"]["parts"] == ["student", "student_ema", "teacher"] for result in results.values())
+    lightning_keys = {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "epoch", "global_step"}
+    for stage, result in ranks[0].items():
+        first = tmp_path / f"distill-{stage}" / "first"
+        assert sorted(p.name for p in first.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"], stage  # no leftovers
+        saved = torch.load(first / "last.ckpt", weights_only=True)
+        assert lightning_keys <= saved.keys() and saved["global_step"] == 2, stage
+        weights = result["first"]["weights"]
+        assert saved["state_dict"].keys() == weights.keys(), stage
+        assert all(torch.equal(saved["state_dict"][k], v) for k, v in weights.items()), stage
+        loaded = Resumable.load_from_checkpoint(first / "last.ckpt", case="distill", ema=True).state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in weights.items()), stage
+        # the student's Adam as torch's state_dict(): its moments per parameter, whole (fit ended at the save)
+        (adam,) = saved["optimizer_states"]
+        moments = [adam["state"][i][key] for i in range(len(adam["state"])) for key in ("exp_avg", "exp_avg_sq")]
+        live = [t for i, t in enumerate(result["first"]["optimizer"]) if i % 3 != 2]  # without the master weights
+        assert len(moments) == len(live) > 0, stage
+        assert all(torch.equal(a, b) for a, b in zip(moments, live, strict=True)), stage
+        assert [int(adam["state"][i]["step"]) for i in adam["state"]] == [2] * len(adam["state"]), stage
+        assert adam["param_groups"][0]["params"] == list(range(len(adam["state"]))), stage
 
 
 @pytest.mark.parametrize(("saved", "resumed"), [(1, 2), (2, 1)])
@@ -268,6 +300,7 @@ def fit_resumable(
     ema: bool = False,
     weights_only: bool = False,
     inside_gathered: bool = False,
+    checkpoint_format: str = "directory",
 ) -> dict:
     """Fit ``case`` at ``stage`` for ``epochs`` under ``root``, from ``ckpt_path`` if given; what it ended with.
 
@@ -278,7 +311,13 @@ def fit_resumable(
     module = Resumable(case, ema=ema)
     engines = {"teacher": {"zero_optimization": {"stage": 3}}} if case == "distill" else {}
     averages = {"student_ema": ("student", 0.9)} if ema else None
-    strategy = MultiDeepSpeedStrategy(stage=stage, engine_configs=engines, save_frozen=case == "distill", ema=averages)
+    strategy = MultiDeepSpeedStrategy(
+        stage=stage,
+        engine_configs=engines,
+        save_frozen=case == "distill",
+        ema=averages,
+        checkpoint_format=checkpoint_format,  # type: ignore[arg-type]
+    )
     optimizers_at_end = AtFitEnd(lambda s: [t for opt in s.optimizers for t in optimizer_state(opt.engine)])
     trainer = cpu_trainer(
         strategy,
@@ -299,8 +338,16 @@ def fit_resumable(
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
         "files": sorted(p.name for p in root.iterdir()),
-        "parts": sorted(p.name for p in (root / "last.ckpt" / "engines").iterdir()),
+        "parts": saved_parts(root / "last.ckpt"),
     }
+
+
+def saved_parts(path: Path) -> list[str]:
+    """The engines a checkpoint directory, or a single-file checkpoint, holds a part of."""
+    if path.is_dir():
+        return sorted(p.name for p in (path / "engines").iterdir())
+    files = torch.load(path, weights_only=True)["multids"]["files"]
+    return sorted({name.split("/")[1] for name in files if name.startswith("engines/")})
 
 
 @dataclass(frozen=True)
@@ -314,6 +361,7 @@ class ResumeOptions:
     after_fit: bool = False  # saves the first epoch with trainer.save_checkpoint after fit returns
     resume_stage: int | None = None  # resumes at this ZeRO stage, not the stage saved
     resume_bf16: bool | None = None  # resumes in bf16-mixed (True) or fp32 (False), not the precision saved
+    checkpoint_format: str = "directory"  # MultiDeepSpeedStrategy(checkpoint_format=...) of every fit
     straight: bool = True  # False: no straight run
 
 
@@ -324,14 +372,15 @@ def resume_runs(root: Path, case: str, stages: list[int], options: ResumeOptions
     ``save_frozen=True``, Adam student). The first epoch is saved by ``ModelCheckpoint(save_last=True)``, or as
     ``options`` say. Returns {stage: {"straight": ..., "resumed": ...}}, each what :func:`fit_resumable` returned.
     """
-    flags = {"bf16": options.bf16, "ema": options.ema, "weights_only": options.weights_only}
+    flags: dict[str, Any] = {"bf16": options.bf16, "ema": options.ema, "weights_only": options.weights_only}
     flags["inside_gathered"] = options.inside_gathered
+    flags["checkpoint_format"] = options.checkpoint_format
     saved = "after-fit.ckpt" if options.after_fit else "last.ckpt"
     results = {}
     for stage in stages:
         folder = root / f"{case}-{stage}"
         plain = fit_resumable(case, stage, 2, folder / "straight", **flags) if options.straight else None
-        fit_resumable(case, stage, 1, folder / "first", save_after=options.after_fit, **flags)
+        first = fit_resumable(case, stage, 1, folder / "first", save_after=options.after_fit, **flags)
         resumed = fit_resumable(
             case,
             stage if options.resume_stage is None else options.resume_stage,
@@ -340,7 +389,7 @@ def resume_runs(root: Path, case: str, stages: list[int], options: ResumeOptions
             ckpt_path=str(folder / "first" / saved),
             **{**flags, "bf16": options.bf16 if options.resume_bf16 is None else options.resume_bf16},
         )
-        results[stage] = {"straight": plain, "resumed": resumed}
+        results[stage] = {"straight": plain, "first": first, "resumed": resumed}
     return results
 
 
@@ -407,6 +456,44 @@ class Student(pl.LightningModule):
     train_dataloader = GAN.train_dataloader
 
 
+class Scored(Student):
+    """The student with Adam, logging each epoch a score whose best epochs are 1, then 2 (0 worse: its file is
+    removed)."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.log("score", -abs(self.current_epoch - 1.2), on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.student.parameters(), lr=0.01)
+
+
+def top_k_under_both(root: Path) -> dict[str, dict[str, Any]] | None:
+    """On each rank: 3 epochs of :class:`Scored` with ``ModelCheckpoint(save_top_k=2, save_last=True)`` on its score,
+    under ``DDPStrategy`` and under ``MultiDeepSpeedStrategy(checkpoint_format="file")`` at ZeRO-2 (ROOT/ddp,
+    ROOT/multids); rank 0 returns, for each, the files left in the folder, the callback's best and top-k paths, and
+    the weights after ``DDPStrategy`` resumed from its ``last.ckpt`` for a fourth epoch."""
+    results = {}
+    for name, strategy in (
+        ("ddp", pl.strategies.DDPStrategy()),
+        ("multids", MultiDeepSpeedStrategy(stage=2, checkpoint_format="file")),
+    ):
+        callback = ModelCheckpoint(dirpath=root / name, monitor="score", mode="max", save_top_k=2, save_last=True)
+        fitted = cpu_trainer(strategy, max_epochs=3, callbacks=[callback])
+        fitted.fit(Scored())
+        results[name] = {
+            "files": sorted(p.name for p in (root / name).iterdir()),
+            "best": Path(callback.best_model_path).name,
+            "top_k": sorted(Path(path).name for path in callback.best_k_models),
+        }
+    for name in ("ddp", "multids"):  # each last.ckpt resumed under DDP for a fourth epoch
+        module = Scored()
+        resumed = cpu_trainer(pl.strategies.DDPStrategy(), max_epochs=4, enable_checkpointing=False)
+        resumed.fit(module, ckpt_path=str(root / name / "last.ckpt"))
+        results[name]["resumed_by_ddp"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return results if torch.distributed.get_rank() == 0 else None
+
+
 def trainer(root: Path, epochs: int) -> pl.Trainer:
     return cpu_trainer(
         MultiDeepSpeedStrategy(stage=3),
@@ -455,12 +542,21 @@ class StartEpoch(pl.Callback):
         self.value = trainer.current_epoch
 
 
-def train(root: Path) -> dict[str, torch.Tensor] | None:
-    """On each rank: 1 epoch of the GAN at ZeRO-3 with ModelCheckpoint; rank 0 returns the live weights."""
+def train(root: Path) -> dict[str, Any] | None:
+    """On each rank: 1 epoch of the GAN at ZeRO-3 with ModelCheckpoint, then ROOT/single.ckpt saved after fit as one
+    file (``checkpoint_format="file"``); then :class:`Student` (SGD) at ZeRO-2 saved as one file, ROOT/sgd.ckpt. Rank 0
+    returns the GAN's live weights and the warnings of the student's save."""
     t = trainer(root, 1)
     t.fit(GAN())
+    t.strategy.checkpoint_format = "file"  # type: ignore[attr-defined]
+    t.save_checkpoint(root / "single.ckpt")
     weights = t.strategy.consolidated_state_dict()
-    return weights if t.global_rank == 0 else None
+    sgd = cpu_trainer(MultiDeepSpeedStrategy(stage=2, checkpoint_format="file"), enable_checkpointing=False)
+    sgd.fit(Student())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sgd.save_checkpoint(root / "sgd.ckpt")
+    return {"live": weights, "sgd": [str(w.message) for w in caught]} if t.global_rank == 0 else None
 
 
 def fit_killed(root: Path, when: str) -> None:
@@ -480,11 +576,12 @@ def resume(root: Path, ckpt_path: str) -> dict[str, int] | None:
     return {"start_epoch": start.value, "epoch": t.current_epoch, "step": t.global_step} if t.global_rank == 0 else None
 
 
-def validate(root: Path) -> dict[str, float]:
-    """On each rank: ``trainer.validate(ckpt_path=ROOT/ckpts/last.ckpt)`` in a fresh process; its metrics."""
-    (metrics,) = cpu_trainer(MultiDeepSpeedStrategy(stage=3)).validate(
-        GAN(), ckpt_path=str(root / "ckpts" / "last.ckpt")
-    )
+def validate(root: Path) -> dict[str, dict[str, float]]:
+    """On each rank: ``trainer.validate(ckpt_path=...)`` in a fresh process, from ROOT/ckpts/last.ckpt (a directory)
+    and from ROOT/single.ckpt (one file); the metrics of each, by file name."""
+    metrics = {}
+    for path in (root / "ckpts" / "last.ckpt", root / "single.ckpt"):
+        (metrics[path.name],) = cpu_trainer(MultiDeepSpeedStrategy(stage=3)).validate(GAN(), ckpt_path=str(path))
     return metrics
 
 
@@ -559,7 +656,9 @@ def test_fsspec_urls_are_local_files_or_refused_at_once(trained: Path) -> None:
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A ZeRO-3 GAN trained for one epoch, with its checkpoints and its live weights (ROOT/live.pt)."""
     root = tmp_path_factory.mktemp("ckpt")
-    torch.save(on_ranks(train, root)[0], root / "live.pt")
+    trained = on_ranks(train, root)[0]
+    torch.save(trained["live"], root / "live.pt")
+    (root / "sgd-warnings.txt").write_text("\n".join(trained["sgd"]))
     return root
 
 
@@ -594,10 +693,51 @@ def test_export_as_one_lightning_file_loads_with_load_from_checkpoint(trained: P
     with pytest.raises(IsADirectoryError):  # Lightning's own, as under DeepSpeedStrategy: a checkpoint is a directory
         GAN.load_from_checkpoint(last)
     assert export(last, tmp_path, format="lightning") == [tmp_path / "model.ckpt"]
-    loaded, live = GAN.load_from_checkpoint(tmp_path / "model.ckpt"), torch.load(trained / "live.pt")
+    assert_live_weights(GAN.load_from_checkpoint(tmp_path / "model.ckpt"), trained)
+
+
+def assert_live_weights(loaded: pl.LightningModule, trained: Path) -> None:
+    live = torch.load(trained / "live.pt")
     assert loaded.state_dict().keys() == live.keys()  # strict loading also refused a missing or unexpected key
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, live[key]), key
+
+
+def test_load_from_checkpoint_reads_a_directory_through_as_file_and_a_single_file_checkpoint(trained: Path) -> None:
+    """``Model.load_from_checkpoint`` opens one file: ``as_file(directory)`` is one, in memory; a checkpoint saved
+    with ``checkpoint_format="file"`` (after fit, at ZeRO-3) is one on disk, that ``torch.load`` reads too."""
+    from lightning_multids.checkpoint import as_file
+
+    assert_live_weights(GAN.load_from_checkpoint(as_file(trained / "ckpts" / "last.ckpt")), trained)
+    single = trained / "single.ckpt"
+    assert single.is_file() and not list(trained.glob("single.ckpt.*"))  # nothing left beside it
+    assert_live_weights(GAN.load_from_checkpoint(single), trained)
+    assert_live_weights(GAN.load_from_checkpoint(as_file(single)), trained)
+    saved = torch.load(single, weights_only=True)
+    assert saved["global_step"] == 4 and len(saved["optimizer_states"]) == 2 and "loops" in saved
+
+
+def test_a_single_file_save_of_a_zero2_sgd_engine_warns_that_its_optimizer_entry_is_empty(trained: Path) -> None:
+    """DeepSpeed's universal conversion, which merges ZeRO partitions, fails on SGD's state (0.19.8: ``KeyError``)."""
+    warned = (trained / "sgd-warnings.txt").read_text()
+    assert re.search(r"optimizer_states` entry of the engine 'student' \(ZeRO-2\) is empty.*Adam's state only", warned)
+    assert "use Adam/AdamW or ZeRO-0 for that engine" in warned, warned
+    saved = torch.load(trained / "sgd.ckpt", weights_only=True)
+    assert saved["optimizer_states"] == [{}] and set(saved["state_dict"]) == set(Student().state_dict())
+
+
+def test_export_and_consolidated_state_dicts_read_a_single_file_checkpoint(trained: Path, tmp_path: Path) -> None:
+    from lightning_multids.checkpoint import consolidated_state_dicts, export
+
+    single, directory = trained / "single.ckpt", trained / "ckpts" / "last.ckpt"
+    assert single.is_file()
+    for name, state in consolidated_state_dicts(directory).items():
+        assert all(torch.equal(value, consolidated_state_dicts(single)[name][k]) for k, value in state.items()), name
+    written = export(single, tmp_path)
+    assert sorted(p.name for p in written) == ["discriminator.pt", "generator.pt", "plain.pt"]
+    live = torch.load(trained / "live.pt")
+    for key, value in torch.load(tmp_path / "generator.pt").items():
+        assert torch.equal(value, live[f"generator.{key}"]), key
 
 
 def test_export_command_line(trained: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -652,7 +792,9 @@ def test_validate_from_a_checkpoint_in_a_fresh_process(trained: Path) -> None:
     discriminator.load_state_dict({k.split(".", 1)[1]: v for k, v in live.items() if k.startswith("discriminator.")})
     _, z = patterns.split(patterns.make_batches(2))
     expected = discriminator(generator(z)).mean().item()
-    assert metrics["val_score"] == pytest.approx(expected, abs=1e-6)
+    assert metrics["last.ckpt"]["val_score"] == pytest.approx(expected, abs=1e-6)
+    assert metrics["single.ckpt"]["val_score"] == pytest.approx(expected, abs=1e-6)
+    assert (trained / "single.ckpt").is_file()
 
 
 def test_gathered_in_validation_step_works_under_validate_at_every_stage(tmp_path: Path) -> None:
@@ -674,6 +816,35 @@ def test_bad_checkpoint_paths_fail_clearly(trained: Path) -> None:
     assert re.search(
         r"holds the engines \['discriminator', 'generator'\].*trains \['student'\]", messages["other_engines"]
     )
+
+
+def test_single_file_checkpoints_keep_lightnings_top_k_contract_as_under_ddp(tmp_path: Path) -> None:
+    """``checkpoint_format="file"`` under ``ModelCheckpoint(save_top_k=2, save_last=True)``, on the code that
+    ``DDPStrategy`` runs: one file per save, the same files left (the worse ones removed), ``best_model_path``
+    loadable by ``torch.load(weights_only=True)`` with DDP's keys and by ``load_from_checkpoint``, DDP's weights and
+    Adam's state as DDP writes it (torch's ``state_dict()``), from which ``DDPStrategy`` resumes as from its own."""
+    results = on_ranks(top_k_under_both, tmp_path)[0]
+    ddp, ours = results["ddp"], results["multids"]
+    assert ours["files"] == ddp["files"] == ["epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"], results
+    assert ours["best"] == ddp["best"] == "epoch=1-step=4.ckpt" and ours["top_k"] == ddp["top_k"], results
+    for name in ddp["files"]:
+        assert (tmp_path / "multids" / name).is_file(), name
+        expected, saved = (torch.load(tmp_path / d / name, weights_only=True) for d in ("ddp", "multids"))
+        assert saved.keys() - {"multids"} == expected.keys(), name
+        assert saved["state_dict"].keys() == expected["state_dict"].keys(), name
+        for key, value in expected["state_dict"].items():
+            assert torch.allclose(saved["state_dict"][key], value, atol=1e-6), f"{name}: {key}"
+        (adam,), (ddp_adam,) = saved["optimizer_states"], expected["optimizer_states"]  # torch's state_dict() of each
+        assert adam["param_groups"] == ddp_adam["param_groups"] and adam["state"].keys() == ddp_adam["state"].keys()
+        for index, state in ddp_adam["state"].items():
+            assert state.keys() == adam["state"][index].keys(), f"{name}: {index}"
+            assert all(torch.allclose(adam["state"][index][k], v, atol=1e-6) for k, v in state.items()), name
+    loaded = Scored.load_from_checkpoint(tmp_path / "multids" / ours["best"]).state_dict()
+    best = torch.load(tmp_path / "ddp" / ddp["best"], weights_only=True)["state_dict"]
+    assert all(torch.allclose(loaded[key], value, atol=1e-6) for key, value in best.items())
+    # DDPStrategy resumes training from the file as from its own: its weights, Adam's state, the loops
+    for key, value in ddp["resumed_by_ddp"].items():
+        assert torch.allclose(ours["resumed_by_ddp"][key], value, atol=1e-6), key
 
 
 def test_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:

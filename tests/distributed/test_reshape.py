@@ -3,7 +3,8 @@
 Each run is one phase of a resume at another world size, for the EMA GAN with schedulers (Adam), per SPEC
 ``SOURCE:AVERAGE`` as in ``test_ema.py`` (the generator's and its EMA engine's ZeRO stages; the discriminator is
 ZeRO-2), or ``distill:STAGE``: the distillation of ``test_checkpoint.py``'s resume runs, a frozen ZeRO-3 teacher
-(saved, ``save_frozen=True``) and a student at STAGE. Phase ``first`` trains 1 epoch and saves ``last.ckpt``; ``second``
+(saved, ``save_frozen=True``) and a student at STAGE (``distill-file:STAGE``: saved with ``checkpoint_format="file"``,
+which each rank unpacks and converts on its own). Phase ``first`` trains 1 epoch and saves ``last.ckpt``; ``second``
 resumes from it, at whatever world size this run has, and trains 1 more. The GAN's engines halve their learning
 rate after each epoch (``StepLR``, stepped by the module); ``bf16`` trains in bf16-mixed. Each phase returns, on
 every rank (the tests read rank 0's), {spec: {"weights": consolidated state dict at the end, "optimizer": Adam's
@@ -31,7 +32,7 @@ from tests.distributed.test_checkpoint import optimizer_state
 DECAY = 0.7
 TOLERANCE = 1e-6
 GANS = ["0:3", "1:0", "2:3", "3:3"]  # generator ZeRO-0/1/2/3 (discriminator ZeRO-2), its EMA engine ZeRO-0/3
-SPECS = [*GANS, "distill:2"]  # a ZeRO-2 student beside a frozen ZeRO-3 teacher
+SPECS = [*GANS, "distill:2", "distill-file:2"]  # a ZeRO-2 student beside a frozen ZeRO-3 teacher; saved as one file
 OLD_FORMAT = "2:3"
 """Resumed from a checkpoint without its world size, as saved before the strategy recorded it."""
 
@@ -54,8 +55,11 @@ def read_optimizers(strategy: MultiDeepSpeedStrategy) -> list[torch.Tensor]:
 
 def fit(spec: str, epochs: int, root: Path, ckpt_path: str | None = None, bf16: bool = False) -> dict[str, Any]:
     source, average = spec.split(":")
-    if source == "distill":
-        return test_checkpoint.fit_resumable("distill", int(average), epochs, root, ckpt_path=ckpt_path)
+    if source.startswith("distill"):
+        checkpoint_format = "file" if source == "distill-file" else "directory"
+        return test_checkpoint.fit_resumable(
+            "distill", int(average), epochs, root, ckpt_path=ckpt_path, checkpoint_format=checkpoint_format
+        )
     strategy = MultiDeepSpeedStrategy(
         engine_configs={
             "generator": test_ema.zero(source),

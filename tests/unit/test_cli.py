@@ -55,6 +55,11 @@ def test_newest_last_checkpoint_across_versions(tmp_path: Path) -> None:
     make_checkpoint(tmp_path / "version_3" / "checkpoints" / "last.ckpt", 500, complete=False)  # being written
     make_checkpoint(tmp_path / "version_10" / "checkpoints" / "last.ckpt", 200)
     assert newest_last_checkpoint(tmp_path) == newest
+    single = tmp_path / "version_11" / "checkpoints" / "last.ckpt"  # checkpoint_format="file"
+    single.parent.mkdir(parents=True)
+    single.write_bytes(b"")
+    os.utime(single, (600, 600))
+    assert newest_last_checkpoint(tmp_path) == single
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:

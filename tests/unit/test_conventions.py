@@ -150,6 +150,11 @@ def test_a_checkpoint_io_is_refused() -> None:
         pl.Trainer(accelerator="cpu", devices=1, strategy=MultiDeepSpeedStrategy(), plugins=[TorchCheckpointIO()])
 
 
+def test_an_unknown_checkpoint_format_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"checkpoint_format='files'\): choose 'directory' \(the default.*or 'file'"):
+        MultiDeepSpeedStrategy(checkpoint_format="files")  # type: ignore[arg-type]
+
+
 def test_a_failure_is_logged_with_its_rank(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR, logger="lightning_multids"):
         MultiDeepSpeedStrategy().on_exception(RuntimeError("Connection closed by peer"))

@@ -131,3 +131,21 @@ def test_checkpoint_paths_are_local_or_refused() -> None:
     assert local_path("runs/a::b/last.ckpt", "x") == "runs/a::b/last.ckpt"  # a relative path, left as given
     with pytest.raises(ValueError, match=r"^The path 's3://bucket/last.ckpt' is on fsspec's 's3' filesystem.*put\("):
         local_path("s3://bucket/last.ckpt", "The path")
+
+
+def test_a_poisoned_single_file_checkpoint_is_refused_before_it_unpacks(tmp_path: Path) -> None:
+    """A ``checkpoint_format="file"`` checkpoint is looked at as one file, before anything of it is written out."""
+    from lightning_multids import checkpoint as checkpoints
+
+    file, marker = tmp_path / "last.ckpt", tmp_path / "ran"
+    torch.save({"epoch": 0, "multids": {"files": {"lightning.pt": torch.zeros(1, dtype=torch.uint8)}}}, file)
+    poison(file, marker)
+    with pytest.raises(
+        pickle.UnpicklingError, match=r"Refusing to load .*last.ckpt'.*tests.poison.touched.*weights_only"
+    ):
+        checkpoints.unpacked(file, None)
+    assert not marker.exists()
+    unpacked = checkpoints.unpacked(file, False)  # a checkpoint you trust
+    assert unpacked is not None and marker.exists()
+    assert (Path(unpacked.name) / "lightning.pt").read_bytes() == b"\0"
+    unpacked.cleanup()
