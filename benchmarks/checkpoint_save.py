@@ -143,9 +143,11 @@ def main() -> None:
         report(results, ddp_rounds, args)
 
 
-def report(
-    results: dict[str, list[tuple[float, float, float]]], ddp: list[tuple[float, float, float]], args: argparse.Namespace
-) -> None:
+Saves = list[tuple[float, float, float]]
+"""Each round's seconds, peak MiB and MiB on disk."""
+
+
+def report(results: dict[str, Saves], ddp: Saves, args: argparse.Namespace) -> None:
     weights = args.layers * (args.width + 1) * args.width
     print(f"{args.layers} x Linear({args.width}, {args.width}): {4 * weights / 2**20:.0f} MiB of fp32 weights, Adam")
     print("| save | seconds | against DDP's | peak MiB above the start (rank 0) | MiB on disk |")
