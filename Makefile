@@ -35,7 +35,7 @@ LANE_TARGETS ?= pytest
 # `make demo` of the README's test (a new user's shell) would otherwise pick them up. (After every `?=` above:
 # `unexport` defines a variable that is not yet defined, and `?=` would then leave it empty.)
 unexport VENV PYTHON TORCH_SPEC WHEELHOUSE PYTEST_ARGS LANE LANE_TARGETS EXPECTED_PYTHON
-.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels gpu-wheels-proof pytest fuzz realcode lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch bench-realcode lm-grid clean
+.PHONY: install demo test test-quick test-all test-pinned test-oldest test-newest lane print-lanes test-readme test-gpu gpu-check gpu-wheels gpu-wheels-proof pytest fuzz realcode lint typecheck bench bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation bench-gpu bench-launch bench-realcode bench-checkpoint lm-grid clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -149,7 +149,12 @@ gpu-wheels-proof: gpu-wheels
 		-m gpu tests/gpu | tail -1
 	$(GPU_PROOF)/bin/python benchmarks/gpu_wheels.py check $(GPU_WHEEL_DIR) --python-version $(GPU_PY_VERSION)
 
-bench: bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation
+bench: bench-overhead bench-host bench-hooks bench-guards bench-memory bench-frozen bench-gradcache bench-generation \
+	bench-checkpoint
+
+# Checkpoint saves: DDP's file, the directory and the single file at ZeRO 0/2/3 (128 MiB of weights, Adam).
+bench-checkpoint: $(STAMP)
+	cd benchmarks && ../$(VENV)/bin/torchrun --nproc-per-node 2 checkpoint_save.py --stages 0 2 3
 
 bench-overhead: $(STAMP)
 	for stage in 0 1 2 3; do \
@@ -175,6 +180,7 @@ bench-host: $(STAMP)
 # The cost of one gradient hook per parameter: the strategy's, a bare one, torch's multi-grad hook (one process).
 bench-hooks: $(STAMP)
 	$(PY) benchmarks/hooks.py --params 300
+	$(VENV)/bin/torchrun --nproc-per-node 1 benchmarks/zero3_hooks.py --layers 24
 
 bench-guards: $(STAMP)
 	cd benchmarks && ../$(VENV)/bin/torchrun --nproc-per-node 1 grad_reads.py --out ../outputs/bench/grad_reads.json
