@@ -118,7 +118,7 @@ def save(
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     if is_global_zero:
-        shutil.rmtree(partial, ignore_errors=True)
+        remove(partial)  # a save killed before, of either format
         partial.mkdir(parents=True)
     barrier("multids.save.start")
     with zero_deprecations_hidden():  # ZeRO-3's gathers, in a save after fit (during it, hidden already)
@@ -169,11 +169,19 @@ def old_path(path: Path) -> Path:
 
 def _move_into_place(partial: Path, path: Path) -> None:
     old = old_path(path)
-    if path.exists():
-        shutil.rmtree(old, ignore_errors=True)
+    if path.exists() or path.is_symlink():
+        remove(old)
         os.replace(path, old)
     os.replace(partial, path)
-    shutil.rmtree(old, ignore_errors=True)
+    remove(old)
+
+
+def remove(path: Path) -> None:
+    """Remove what is at ``path``: a checkpoint directory, a single file, or a link (``save_last="link"``)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 Layout = list[tuple[str, list[list[str]]]]
@@ -197,7 +205,7 @@ def pack(directory: Path, path: Path, *, layout: Layout, is_global_zero: bool, b
     ``optimizer_states`` as torch's ``optimizer.state_dict()`` of each optimizer from ``configure_optimizers``
     (:func:`_optimizer_state`; ``layout`` names their parameters), and under :data:`FORMAT_KEY` the engines'
     description and the directory's files (:mod:`lightning_multids._single_file`), which a resume unpacks and loads
-    as it loads the directory. Rank 0 writes ``PATH.partial`` and renames it to ``PATH`` (a process killed before
+    as it loads the directory. Rank 0 writes ``PATH.packing`` and renames it to ``PATH`` (a process killed before
     leaves the previous ``PATH``), then removes ``directory``.
     """
     if is_global_zero:
@@ -211,11 +219,12 @@ def pack(directory: Path, path: Path, *, layout: Layout, is_global_zero: bool, b
                 for name, groups in layout
             ]
         single[FORMAT_KEY] = {**lightning[FORMAT_KEY], FILES_KEY: packed_files(directory)}
-        partial = path.with_name(path.name + ".partial")
-        torch.save(single, partial)
-        if path.is_dir():  # a directory checkpoint of that name, from a run with the default format
+        packing = path.with_name(path.name + ".packing")  # not `.partial`: a directory save's, maybe left by a kill
+        remove(packing)
+        torch.save(single, packing)
+        if path.is_dir() and not path.is_symlink():  # a directory checkpoint of that name (the default format's)
             shutil.rmtree(path)
-        os.replace(partial, path)
+        os.replace(packing, path)  # over a file, or a link (`save_last="link"`), in one step
         shutil.rmtree(directory)
     barrier("multids.save.packed")
 
