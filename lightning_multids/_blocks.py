@@ -22,6 +22,7 @@ argument.
 
 from __future__ import annotations
 
+import re
 import traceback
 import zlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -412,9 +413,14 @@ def note_partitioned_use(exception: BaseException, engines: Mapping[str, DeepSpe
     (:func:`refuse_partitioned_use`); outside a forward of the engine each is this rank's partition, an empty tensor,
     and the first product with it fails with torch's shape error in that code. Where such a parameter is a local of
     a frame of the traceback outside torch, DeepSpeed and the strategy, the error gets a note naming the parameter,
-    its engine and ``gathered``. Read after the fact, on the exception's way out of the fit: the step pays nothing.
+    its engine and ``gathered``. Only torch's errors about a tensor with no elements are noted (the message names a
+    size or a dimension of 0, or a 1-D tensor where a matrix was due), so that an error of another kind raised where
+    such a parameter happens to be a local is not blamed on it. Read after the fact, on the exception's way out of
+    the fit: the step pays nothing.
     """
-    if not isinstance(exception, (RuntimeError, IndexError)):
+    if isinstance(exception, RecursionError) or not isinstance(exception, (RuntimeError, IndexError)):
+        return
+    if not _EMPTY_TENSOR_ERROR.search(str(exception)):
         return
     named = {
         param: (name, key)
@@ -427,9 +433,9 @@ def note_partitioned_use(exception: BaseException, engines: Mapping[str, DeepSpe
     for frame, line in traceback.walk_tb(exception.__traceback__):
         if from_own_code(frame.f_globals.get("__name__", "")):
             continue
-        for local, value in frame.f_locals.items():
-            if isinstance(value, nn.Parameter) and value in named:
-                found = (local, value, f"{frame.f_code.co_qualname} ({frame.f_code.co_filename}:{line})")
+        held = next(((local, value) for local, value in _held(frame.f_locals) if value in named), None)
+        if held is not None:  # the innermost frame's first
+            found = (*held, f"{frame.f_code.co_qualname} ({frame.f_code.co_filename}:{line})")
     if found is None:
         return
     local, param, where = found
@@ -440,3 +446,22 @@ def note_partitioned_use(exception: BaseException, engines: Mapping[str, DeepSpe
         f"weight. Use the weights inside `with self.trainer.strategy.gathered({name!r}):` (every rank enters the "
         f"block); an average of {name!r} is kept by `MultiDeepSpeedStrategy(ema=...)` (docs/ema.md)."
     )
+
+
+_EMPTY_TENSOR_ERROR = re.compile(
+    r"\(0\)|of size 0\b|with size 0\b|\[-1, 0\]|got 1-D|must be \d-D|at least \w+ dimensions|shape \[0\]|"
+    r"numel\(\) == 0|is empty"
+)
+"""Torch's messages about a tensor with no elements: what a computation with an empty ZeRO-3 partition meets."""
+
+
+def _held(local_variables: Mapping[str, Any]) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters a frame holds: as locals, then in a list or tuple local (``torch._foreach_*``'s arguments)."""
+    for local, value in local_variables.items():
+        if isinstance(value, nn.Parameter):
+            yield local, value
+    for local, value in local_variables.items():
+        if isinstance(value, (list, tuple)):
+            for index, item in enumerate(value[:10_000]):
+                if isinstance(item, nn.Parameter):
+                    yield f"{local}[{index}]", item

@@ -816,7 +816,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         close, so they stop too (tested: all exit non-zero within seconds, no hang).
         """
         broken = torch_compat.peer_failed(exception)
-        note_partitioned_use(exception, self._engine_set.engines)
+        with contextlib.suppress(Exception):  # a note must not stop the teardown below (a local that raises on use)
+            note_partitioned_use(exception, self._engine_set.engines)
         self._failed = True  # teardown does not keep this fit's engines for saving
         self.release()  # nor an earlier fit's: this one may have failed before its setup released them
         reason = "a collective failed, most likely because another rank stopped (see its output)" if broken else ""

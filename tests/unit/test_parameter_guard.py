@@ -112,3 +112,27 @@ def test_no_note_where_only_torch_held_the_partition() -> None:
         torch.zeros(2, 2).sub_(layer.weight)  # no frame of user code holds it as a local
     note_partitioned_use(caught.value, {"net": _Zero3Engine(layer)})  # type: ignore[dict-item]
     assert not getattr(caught.value, "__notes__", []), "a note needs a local of user code to name"
+
+
+def _unrelated_error(params: list[nn.Parameter]) -> None:
+    param = params[0]  # a local of the frame that raises, as a loop's variable stays bound after the loop
+    raise RuntimeError(f"my own data pipeline error ({param.dtype})")
+
+
+def _foreach_average(shadows: list[torch.Tensor], params: list[nn.Parameter]) -> None:
+    torch._foreach_sub_(shadows, params)  # diffusers' EMAModel(foreach=True).step: the parameters only in a list
+
+
+def test_the_note_keeps_to_errors_about_empty_tensors_and_finds_parameters_in_lists() -> None:
+    layer = _partitioned_layer()
+    layer.weight.data = torch.empty(0)
+    engines = {"net": _Zero3Engine(layer)}
+    with pytest.raises(RuntimeError) as unrelated:
+        _unrelated_error([layer.weight])
+    note_partitioned_use(unrelated.value, engines)  # type: ignore[arg-type]
+    assert not getattr(unrelated.value, "__notes__", []), "an error of another kind is not blamed on the partition"
+    with pytest.raises(RuntimeError) as listed:
+        _foreach_average([torch.zeros(2, 2)], [layer.weight])
+    note_partitioned_use(listed.value, engines)  # type: ignore[arg-type]
+    notes = getattr(listed.value, "__notes__", [])
+    assert notes and "`params[0]` in _foreach_average" in notes[0], notes

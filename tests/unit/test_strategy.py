@@ -169,3 +169,17 @@ def test_the_zero3_parameters_check_inspects_overrides_only(monkeypatch: pytest.
     instance[0].parameters = lambda: iter(())  # type: ignore[method-assign]  # an override on the instance
     with pytest.raises(ValueError, match=r"^The submodule `model\.0` \(torch\.nn\.modules\.linear\.Linear\)"):
         _check_parameters_take_recurse("model", instance, zero3)
+
+
+def test_a_note_that_fails_does_not_stop_on_exception(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``on_exception`` must reach its release and log (Lightning's teardown follows) whatever the note meets."""
+    import lightning_multids.strategy as strategy_module
+
+    def broken(exception: BaseException, engines: object) -> None:
+        raise RuntimeError("a local that raises when inspected")
+
+    monkeypatch.setattr(strategy_module, "note_partitioned_use", broken)
+    strategy = MultiDeepSpeedStrategy()
+    error = RuntimeError("the user's error")
+    strategy.on_exception(error)
+    assert strategy._failed and getattr(error, "lightning_multids_logged", False)
