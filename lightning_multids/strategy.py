@@ -100,7 +100,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         timeout: the timeout of collective operations.
         start_method: how Lightning starts the other processes (``"popen"`` re-runs the script per rank).
         save_frozen: also save frozen engines in every checkpoint (their weights do not change during fit, so
-            by default they are not duplicated into each one).
+            by default they are not duplicated into each one). A single file (``checkpoint_format="file"``) always
+            holds them, as DDP's holds every weight: ``load_from_checkpoint`` of it is strict by default.
         ema: EMA engines, ``{average: (source, decay)}``, e.g. ``{"generator_ema": ("generator", 0.999)}``: the
             submodule ``self.generator_ema`` (a copy of ``self.generator``) becomes a frozen fp32 engine at its own
             stage (its ``engine_configs`` entry), starts as a copy of its source and follows each of its steps as
@@ -648,14 +649,15 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             )
         filepath = checkpoints.local_path(self.broadcast(str(filepath)), "`trainer.save_checkpoint`'s path")
         engines, frozen = engine_set.engines, engine_set.frozen_names()
-        saved = engine_set.saved_names(self.save_frozen)
+        single = self.checkpoint_format == "file"
+        # One file holds every weight, as DDP's: Lightning's `load_from_checkpoint` of it is strict by default.
+        saved = engine_set.saved_names(self.save_frozen or single)
         if engine_set is self._engine_set:  # edits since the last step, in the weights as DDP saves them; after
             engine_set.take_weight_edits()  # fit, teardown took them before it released the engines
         averager = engine_set.averager
         # Lightning dumps no optimizer states for `save_weights_only=True` / `weights_only=True`: every engine's
         # weights alone, as DDP writes the module's state dict alone.
         as_weights = set(saved) if "optimizer_states" not in checkpoint else frozen
-        single = self.checkpoint_format == "file"
         directory = Path(filepath + checkpoints.PACKING) if single else Path(filepath)
         checkpoints.save(
             checkpoint,

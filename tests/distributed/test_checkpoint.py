@@ -314,7 +314,7 @@ def fit_resumable(
     strategy = MultiDeepSpeedStrategy(
         stage=stage,
         engine_configs=engines,
-        save_frozen=case == "distill",
+        save_frozen=case == "distill" and checkpoint_format == "directory",  # one file holds every weight, as DDP's
         ema=averages,
         checkpoint_format=checkpoint_format,  # type: ignore[arg-type]
     )
