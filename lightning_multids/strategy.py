@@ -694,7 +694,8 @@ class MultiDeepSpeedStrategy(DDPStrategy):
         except BaseException:
             _remove(unpacked)
             raise
-        self._loading = _Loading(path, lightning[checkpoints.FORMAT_KEY], weights_only, unpacked)
+        shown = path if unpacked is None else Path(given)  # errors name the user's file, not where it was unpacked
+        self._loading = _Loading(path, lightning[checkpoints.FORMAT_KEY], weights_only, unpacked, shown)
         if self._engine_set.engines:  # called after setup (by hand): load now
             self._finish_loading()
         return lightning
@@ -715,16 +716,16 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             return
         try:
             with loading.reading(pending.path, pending.weights_only, look=False):  # load_checkpoint looked
-                self._load_engines(pending.path, pending.saved, pending.weights_only, own_copy=pending.unpacked)
+                self._load_engines(pending, own_copy=pending.unpacked)
         finally:
             _remove(pending.unpacked)
         if pending.plain is not None:
             self._load_plain(pending.plain, pending.strict)
 
-    def _load_engines(
-        self, path: Path, saved: dict[str, Any], weights_only: bool | None, *, own_copy: object | None
-    ) -> None:
+    def _load_engines(self, pending: _Loading, *, own_copy: object | None) -> None:
         """Load the engines' parts; ``own_copy``: ``path`` is this rank's own (an unpacked file), converted by it."""
+        path, saved, weights_only = pending.path, pending.saved, pending.weights_only
+        shown = pending.shown or path
         module = self.lightning_module
         assert module is not None
         trainable = self._engine_set.trainable_engines
@@ -734,10 +735,10 @@ class MultiDeepSpeedStrategy(DDPStrategy):
                     checkpoints.load_weights(getattr(module, name), state, strict=module.strict_loading)
             return
         check_names = {n: saved["engines"][n] for n in saved["engines"] if n not in saved["frozen"]}
-        checkpoints.check_engines({"engines": check_names}, trainable, path)
+        checkpoints.check_engines({"engines": check_names}, trainable, shown)
         engines = {n: e for n, e in self._engine_set.engines.items() if n in saved["engines"]}
-        checkpoints.check_stages(saved, engines, path)
-        checkpoints.check_precisions(saved, engines, path)
+        checkpoints.check_stages(saved, engines, shown)
+        checkpoints.check_precisions(saved, engines, shown)
         checkpoints.load_engines(
             path,
             engines,
@@ -853,6 +854,8 @@ class _Loading:
     weights_only: bool | None
     unpacked: tempfile.TemporaryDirectory[str] | None = None
     """Where a single-file checkpoint was unpacked (``path``), removed once loaded."""
+    shown: Path | None = None
+    """The path errors name: the single file the user gave, where ``path`` is its unpacked copy."""
     plain: Mapping[str, Any] | None = None
     strict: bool = True
 

@@ -41,6 +41,17 @@ def test_resume_at_an_epoch_boundary_is_bitwise_exact(tmp_path: Path, case: str)
         assert all(result["straight"]["parts"] == saved for result in results.values())
 
 
+def test_a_refused_resume_from_one_file_names_that_file(tmp_path: Path) -> None:
+    """Not the temporary directory each rank unpacks it into (removed by the time the message is read)."""
+    options = ResumeOptions(resume_stage=3, straight=False, checkpoint_format="file")
+    with pytest.raises(AssertionError, match="exited with") as failed:
+        on_ranks(resume_runs, tmp_path, "gan", [2], options)
+    message = str(failed.value)
+    named = r"The checkpoint '[^']*/last\.ckpt' saved the engine '(generator|discriminator)' at ZeRO-2"
+    assert re.search(named, message), message[-3000:]
+    assert "multids-checkpoint-" not in message, message[-3000:]
+
+
 @pytest.mark.parametrize(
     ("case", "stages", "flags"),
     [
