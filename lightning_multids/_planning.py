@@ -146,9 +146,9 @@ def _check_part_entries(
                 raise ValueError(
                     f"`engine_configs` has an entry for {part!r}, which one optimizer trains with {listed}: they form "
                     f"one DeepSpeed engine, named {names[0]!r} (its first part), with one config."
-                    f"{_through_shared(names, module, optimizer)} Key the entry {names[0]!r} (merge the two entries "
-                    f"there), or give {part!r} an optimizer of its own in `configure_optimizers` for an engine of its "
-                    "own."
+                    f"{_through_shared(names, module, optimizer)} Key the entry {names[0]!r} (merge the entries of "
+                    f"its parts there), or give {part!r} an optimizer of its own in `configure_optimizers` for an "
+                    "engine of its own."
                 )
 
 
@@ -160,9 +160,10 @@ def _through_shared(names: Sequence[str], module: nn.Module, optimizer: Optimize
         others = set().union(*(params for other, params in held.items() if other != name))
         if held[name] <= others:
             sharers = [other for other in names if other != name and held[other] & held[name]]
+            verb = "shares" if len(sharers) == 1 else "share"
             return (
-                f" {name!r} is in it only through parameters that {', '.join(repr(s) for s in sharers)} shares with "
-                f"it (a layer both hold): the optimizer trains that layer, as under DDP."
+                f" {name!r} is in it only through parameters that {', '.join(repr(s) for s in sharers)} {verb} with "
+                f"it (a layer they hold too): the optimizer trains that layer, as under DDP."
             )
     return ""
 

@@ -56,7 +56,7 @@ class RunSummary(pl.Callback):
         entries.update(getattr(pl_module, "run_summary", {}))
         callback = trainer.checkpoint_callback
         if isinstance(callback, ModelCheckpoint):
-            entries.update(checkpoint_lines(callback, self.spreads))
+            entries.update(checkpoint_lines(callback, self.spreads, _latest_of_others(trainer, callback)))
         if trainer.logger is not None and trainer.logger.save_dir:
             entries["See the curves"] = f"{command('tensorboard')} --logdir {trainer.logger.save_dir}"
         width = max(len(label) for label in entries) + 2
@@ -68,14 +68,23 @@ def spread_of(monitor: str) -> str:
     return f"{monitor}_std"
 
 
-def checkpoint_lines(callback: ModelCheckpoint, spreads: dict[float, float] | None = None) -> dict[str, str]:
+def _latest_of_others(trainer: pl.Trainer, first: ModelCheckpoint) -> str:
+    """The newest checkpoint of another ``ModelCheckpoint`` without a ``monitor`` (one that saves each epoch's end)."""
+    others = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c is not first]
+    return next((c.last_model_path or c.best_model_path for c in others if not c.monitor), "")
+
+
+def checkpoint_lines(
+    callback: ModelCheckpoint, spreads: dict[float, float] | None = None, latest: str = ""
+) -> dict[str, str]:
     """The checkpoint to export, and the command that does: the best by the callback's ``monitor`` if it has one.
 
-    With a ``monitor`` and ``save_last``, the last checkpoint (what ``--ckpt_path last`` resumes) is named too.
-    The best score is shown with its spread where ``spreads`` (by value of the monitored metric) has one.
+    With a ``monitor`` and ``save_last``, or another callback that keeps the newest (``latest``), the last
+    checkpoint (what ``--ckpt_path last`` resumes) is named too. The best score is shown with its spread where
+    ``spreads`` (by value of the monitored metric) has one.
     """
     best = callback.best_model_path if callback.monitor else ""
-    last = callback.last_model_path
+    last = callback.last_model_path or latest
     path = best or last or callback.best_model_path
     if not path:
         return {}

@@ -16,6 +16,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_multids import MultiDeepSpeedStrategy
 from lightning_multids.cli import MultiDeepSpeedCLI
+from lightning_multids.utilities import RunSummary
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -105,3 +106,6 @@ def test_last_checkpoint_holds_the_last_epoch_not_the_best(path: Path, tmp_path:
     trainer.fit(module)
     last = tmp_path / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}"
     assert torch.load(last, weights_only=True)["epoch"] == 2
+    if watched:  # the run's summary names it beside the best
+        lines = RunSummary().lines(trainer, module)
+        assert any(line.startswith("Last checkpoint:") and line.endswith(last.name) for line in lines), lines
