@@ -30,11 +30,16 @@ def unpack_files(files: Mapping[str, torch.Tensor], directory: Path) -> None:
     """Write each of ``files`` (:func:`packed_files`) under ``directory``; a path leaving it is a ValueError."""
     root = directory.resolve()
     for relative, data in files.items():
-        target = (root / relative).resolve()
-        if not target.is_relative_to(root):
+        target = (root / str(relative)).resolve()
+        if not target.is_relative_to(root) or target == root:
             raise ValueError(f"A packed checkpoint file names {relative!r}, outside its directory.")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data.numpy().tobytes())
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+            raise ValueError(f"The packed checkpoint file {relative!r} is not a file's bytes (a 1-D uint8 tensor).")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data.numpy().tobytes())
+        except OSError as error:  # two entries `a` and `a/b`: no checkpoint this strategy wrote
+            raise ValueError(f"The packed checkpoint file {relative!r} cannot be written out: {error}") from error
 
 
 def _as_tensor(data: bytes) -> torch.Tensor:

@@ -149,3 +149,22 @@ def test_a_poisoned_single_file_checkpoint_is_refused_before_it_unpacks(tmp_path
     assert unpacked is not None and marker.exists()
     assert (Path(unpacked.name) / "lightning.pt").read_bytes() == b"\0"
     unpacked.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("files", "refusal"),
+    [
+        ({"../escaped": torch.zeros(1, dtype=torch.uint8)}, "outside its directory"),
+        ({"": torch.zeros(1, dtype=torch.uint8)}, "outside its directory"),
+        ({"lightning.pt": torch.ones(3)}, r"not a file's bytes \(a 1-D uint8 tensor\)"),
+        ({"a": torch.zeros(1, dtype=torch.uint8), "a/b": torch.zeros(1, dtype=torch.uint8)}, "cannot be written out"),
+    ],
+    ids=["traversal", "empty_name", "not_bytes", "file_then_directory"],
+)
+def test_a_crafted_single_file_is_refused_naming_the_entry(tmp_path: Path, files: dict, refusal: str) -> None:
+    from lightning_multids import checkpoint as checkpoints
+
+    file = tmp_path / "last.ckpt"
+    torch.save({"epoch": 0, "multids": {"files": files}}, file)
+    with pytest.raises(ValueError, match=rf"^(The|A) packed checkpoint file.*{refusal}"):
+        checkpoints.unpacked(file, True)
