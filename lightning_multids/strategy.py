@@ -716,14 +716,14 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             return
         try:
             with loading.reading(pending.path, pending.weights_only, look=False):  # load_checkpoint looked
-                self._load_engines(pending, own_copy=pending.unpacked)
+                self._load_engines(pending)
         finally:
             _remove(pending.unpacked)
         if pending.plain is not None:
             self._load_plain(pending.plain, pending.strict)
 
-    def _load_engines(self, pending: _Loading, *, own_copy: object | None) -> None:
-        """Load the engines' parts; ``own_copy``: ``path`` is this rank's own (an unpacked file), converted by it."""
+    def _load_engines(self, pending: _Loading) -> None:
+        """Load the engines' parts; an unpacked single file is each rank's own copy, converted by that rank."""
         path, saved, weights_only = pending.path, pending.saved, pending.weights_only
         shown = pending.shown or path
         module = self.lightning_module
@@ -746,7 +746,7 @@ class MultiDeepSpeedStrategy(DDPStrategy):
             world_size=self.world_size,
             strict=module.strict_loading,
             weights_only=weights_only,
-            is_global_zero=self.is_global_zero or own_copy is not None,  # who converts it to another world size
+            is_global_zero=self.is_global_zero or pending.unpacked is not None,  # who converts it to another size
             barrier=self.barrier,
         )
         plain_parts = [n for n, i in saved["engines"].items() if i["stage"] is None and n not in engines]

@@ -1193,11 +1193,7 @@ def _checked_parameters(
 ) -> type:
     def getitem(parameters: Any, key: str) -> Any:
         param = original.__getitem__(parameters, key)
-        if (
-            param is not None
-            and not parameters._in_forward
-            and getattr(param, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
-        ):
+        if param is not None and not parameters._in_forward and is_empty_partition(param):
             caller = _caller(sys._getframe(1))
             if not _answered_alike(caller):
                 prefix = named.get(parameters._parent_module, "")
